@@ -1,0 +1,48 @@
+#include "command.h"
+
+#include <map>
+#include <vector>
+
+namespace zinf::cli {
+namespace {
+
+struct Entry {
+  std::string group, name, description;
+  SetupFn setup;
+};
+
+std::vector<Entry>& registry() {
+  static std::vector<Entry> entries;
+  return entries;
+}
+
+}  // namespace
+
+Registration::Registration(const char* group, const char* name, const char* description,
+                           SetupFn setup) {
+  registry().push_back({group, name, description, std::move(setup)});
+}
+
+void build_commands(CLI::App& app) {
+  static const std::map<std::string, std::string> kGroupHelp = {
+      {"bench", "Measure a component against its yardstick (I/O vs fio, Adam vs memory bandwidth)"},
+  };
+  std::map<std::string, CLI::App*> groups;
+  for (auto& e : registry()) {
+    CLI::App* parent = &app;
+    if (!e.group.empty()) {
+      auto it = groups.find(e.group);
+      if (it == groups.end()) {
+        auto help = kGroupHelp.count(e.group) ? kGroupHelp.at(e.group) : e.group;
+        CLI::App* g = app.add_subcommand(e.group, help);
+        g->require_subcommand(1);
+        it = groups.emplace(e.group, g).first;
+      }
+      parent = it->second;
+    }
+    CLI::App* sub = parent->add_subcommand(e.name, e.description);
+    e.setup(*sub);
+  }
+}
+
+}  // namespace zinf::cli
