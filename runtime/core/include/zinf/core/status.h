@@ -89,6 +89,8 @@ class [[nodiscard]] Result {
   T* operator->() { return &std::get<T>(v_); }
   const T* operator->() const { return &std::get<T>(v_); }
   T& operator*() & { return value(); }
+  const T& operator*() const& { return value(); }
+  T&& operator*() && { return std::move(*this).value(); }
 
  private:
   std::variant<T, Status> v_;

@@ -1,0 +1,81 @@
+// SwapSpace: extents of bytes on one or more NVMe paths, for tensors that do not fit in memory.
+//
+//  - Each directory (one per drive) gets a private run directory `zinf-<pid>-<random>` (0700)
+//    holding a few large preallocated files (0600, O_EXCL|O_NOFOLLOW), grown by whole files of
+//    `file_bytes` as extents are allocated. Everything is removed when the SwapSpace is
+//    destroyed (clean shutdown).
+//  - An extent is striped over the directories (a piece on each, 4 KiB aligned) when it is at
+//    least `stripe_min_bytes` per directory, so one tensor read uses every drive.
+//  - Extent sizes are rounded up to 4 KiB: read()/write() move padded_bytes(), and buffers must
+//    be that large and 4 KiB aligned.
+//  - With `checksum` on, write() records an XXH3-64 of the extent's bytes and read() verifies
+//    it: a mismatch is ErrorCode::kCorrupt naming the extent and its files.
+//  - All methods are thread-safe. I/O goes through the IoEngine given at creation, which must
+//    outlive the SwapSpace.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <future>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "zinf/core/status.h"
+#include "zinf/io/io_engine.h"
+
+namespace zinf::io {
+
+struct SwapSpaceOptions {
+  std::vector<std::string> directories;  // one per NVMe drive; must exist and be writable
+  uint64_t file_bytes = 1ull << 30;       // preallocation unit of the swap files
+  uint64_t stripe_min_bytes = 1ull << 20; // stripe only extents of at least this per directory
+  bool checksum = false;                  // XXH3-64 per extent, verified on read
+  bool direct = true;                     // O_DIRECT (falls back to buffered where refused)
+};
+
+using ExtentId = uint64_t;
+
+struct SwapStats {
+  uint64_t extents = 0;
+  uint64_t bytes_allocated = 0;   // padded bytes held by live extents
+  uint64_t bytes_reserved = 0;    // bytes preallocated in swap files
+  uint64_t files = 0;
+  uint64_t bytes_written = 0;
+  uint64_t bytes_read = 0;
+};
+
+class SwapSpace {
+ public:
+  static constexpr uint64_t kAlignment = 4096;
+
+  static Result<std::unique_ptr<SwapSpace>> create(IoEngine& engine, SwapSpaceOptions options);
+  ~SwapSpace();
+  SwapSpace(const SwapSpace&) = delete;
+  SwapSpace& operator=(const SwapSpace&) = delete;
+
+  // Allocates an extent of at least `bytes` (rounded up to 4 KiB). `name` (e.g. the tensor it
+  // holds) appears in errors about this extent. kNoSpace when a file cannot be grown.
+  Result<ExtentId> allocate(uint64_t bytes, std::string name = {});
+  Status free(ExtentId id);
+  uint64_t padded_bytes(ExtentId id) const;
+
+  // Asynchronous; `done` runs once on an I/O thread (must not block). The buffer must stay valid
+  // until then. Errors name the extent, the file and the offset.
+  Status write_async(ExtentId id, const void* buffer, std::function<void(Status)> done);
+  Status read_async(ExtentId id, void* buffer, std::function<void(Status)> done);
+  Status write(ExtentId id, const void* buffer);
+  Status read(ExtentId id, void* buffer);
+
+  SwapStats stats() const;
+  // The private run directories, one per configured directory.
+  std::vector<std::string> run_directories() const;
+
+  struct Impl;
+
+ private:
+  explicit SwapSpace(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace zinf::io

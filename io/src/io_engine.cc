@@ -1,0 +1,650 @@
+#include "zinf/io/io_engine.h"
+
+#include <liburing.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <shared_mutex>
+#include <thread>
+#include <unordered_map>
+
+#include "zinf/core/log.h"
+#include "zinf/core/units.h"
+
+namespace zinf::io {
+namespace {
+
+constexpr uint64_t kEventTag = ~uint64_t{0};     // user_data of the wake-up read on the eventfd
+constexpr uint64_t kMaxBlockSize = 1ull << 30;   // one SQE moves at most 2^31-1 bytes
+
+const char* op_name(IoOp op) { return op == IoOp::kRead ? "read" : "write"; }
+
+}  // namespace
+
+struct IoEngine::Registry {
+  mutable std::shared_mutex mu;
+  struct Buffer {
+    uintptr_t base;
+    uint64_t length;
+    int slot;
+  };
+  std::vector<Buffer> buffers;        // sorted by base
+  std::vector<bool> buffer_slot_used;
+  std::unordered_map<int, int> file_slot;  // fd -> slot in the fixed-file table
+  std::vector<bool> file_slot_used;
+  bool buffers_available = true;      // sparse buffer tables exist on every ring
+  bool files_available = true;        // sparse file tables exist on every ring
+
+  // Engine-wide completion accounting for drain().
+  std::mutex drain_mu;
+  std::condition_variable drain_cv;
+  uint64_t accepted = 0;
+  uint64_t completed = 0;
+};
+
+// One io_uring, served by one thread. Requests arrive in `incoming_` (any thread); the ring
+// thread alone touches the ring, the chunk pool and the active list.
+class IoEngine::Ring {
+ public:
+  struct Pending {
+    IoRequest request;
+    IoCallback done;
+    int file_slot;   // -1: use the fd
+    int buf_index;   // -1: not a registered buffer
+  };
+
+  Ring(IoEngine& engine, uint32_t index) : engine_(engine), index_(index) {}
+  ~Ring() { stop(); }
+
+  Status init() {
+    const auto& o = engine_.options_;
+    unsigned entries = o.queue_depth + 2;  // + the eventfd wake-up read
+    io_uring_params params{};
+    params.flags = IORING_SETUP_COOP_TASKRUN;
+    int rc = io_uring_queue_init_params(entries, &ring_, &params);
+    if (rc == -EINVAL) {  // older kernel: no COOP_TASKRUN
+      params = {};
+      rc = io_uring_queue_init_params(entries, &ring_, &params);
+    }
+    if (rc < 0) {
+      return errno_status(rc, fmt::format("cannot create io_uring ring {} (queue depth {})",
+                                          index_, o.queue_depth));
+    }
+    ring_ok_ = true;
+    event_fd_ = ::eventfd(0, EFD_CLOEXEC);
+    if (event_fd_ < 0) return errno_status(errno, "cannot create eventfd for io_uring ring");
+    chunks_.resize(o.queue_depth);
+    for (uint32_t i = 0; i < o.queue_depth; ++i) free_chunks_.push_back(&chunks_[i]);
+    thread_ = std::thread([this] { loop(); });
+    return Status::ok();
+  }
+
+  // Called once per ring at engine creation, before any request.
+  bool register_sparse_buffers(uint32_t n) {
+    return n > 0 && io_uring_register_buffers_sparse(&ring_, n) == 0;
+  }
+  bool register_sparse_files(uint32_t n) {
+    return n > 0 && io_uring_register_files_sparse(&ring_, n) == 0;
+  }
+  int update_buffer(int slot, const iovec* iov) {
+    __u64 tag = 0;
+    int rc = io_uring_register_buffers_update_tag(&ring_, slot, iov, &tag, 1);
+    return rc < 0 ? rc : 0;
+  }
+  int update_file(int slot, int fd) {
+    int rc = io_uring_register_files_update(&ring_, slot, &fd, 1);
+    return rc < 0 ? rc : 0;
+  }
+
+  void enqueue(Pending&& p) {
+    bool wake;
+    {
+      std::lock_guard lock(mu_);
+      wake = incoming_.empty();
+      incoming_.push_back(std::move(p));
+    }
+    if (wake && tls_ring_ != this) wake_up();
+  }
+
+  void enqueue_batch(std::vector<Pending>&& batch) {
+    bool wake;
+    {
+      std::lock_guard lock(mu_);
+      wake = incoming_.empty();
+      for (auto& p : batch) incoming_.push_back(std::move(p));
+    }
+    if (wake && tls_ring_ != this) wake_up();
+  }
+
+  void stop() {
+    if (!thread_.joinable()) {
+      close_resources();
+      return;
+    }
+    {
+      std::lock_guard lock(mu_);
+      stopping_ = true;
+    }
+    wake_up();
+    thread_.join();
+    close_resources();
+  }
+
+  void add_stats(IoStats& s) const {
+    s.requests_completed += stats_.requests_completed.load();
+    s.requests_failed += stats_.requests_failed.load();
+    s.chunks_submitted += stats_.chunks_submitted.load();
+    s.short_continuations += stats_.short_continuations.load();
+    s.retries += stats_.retries.load();
+    s.bytes_read += stats_.bytes_read.load();
+    s.bytes_written += stats_.bytes_written.load();
+    s.fixed_buffer_chunks += stats_.fixed_buffer_chunks.load();
+  }
+
+ private:
+  // A request being worked on by this ring.
+  struct Op {
+    Pending p;
+    uint64_t carved = 0;       // bytes handed out as chunks so far
+    uint32_t outstanding = 0;  // chunks in flight (or awaiting a synthetic completion)
+    Status error;              // first error; once set no new chunk is carved
+  };
+  struct Chunk {
+    Op* op = nullptr;
+    uint64_t start = 0;    // byte position within the request
+    uint64_t length = 0;
+    uint64_t done = 0;     // bytes transferred so far (short transfers continue from here)
+    uint32_t retries = 0;
+  };
+
+  void wake_up() {
+    uint64_t one = 1;
+    // A full eventfd counter (EAGAIN) already means "wake up": nothing is lost.
+    while (::write(event_fd_, &one, sizeof(one)) < 0 && errno == EINTR) {
+    }
+  }
+
+  void close_resources() {
+    if (ring_ok_) {
+      io_uring_queue_exit(&ring_);
+      ring_ok_ = false;
+    }
+    if (event_fd_ >= 0) {
+      ::close(event_fd_);
+      event_fd_ = -1;
+    }
+  }
+
+  io_uring_sqe* get_sqe() {
+    io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+    if (sqe == nullptr) {  // cannot happen while in-flight <= queue depth; flush to be safe
+      io_uring_submit(&ring_);
+      sqe = io_uring_get_sqe(&ring_);
+    }
+    ZINF_CHECK(sqe != nullptr, "io_uring submission queue full");
+    return sqe;
+  }
+
+  void arm_wakeup() {
+    io_uring_sqe* sqe = get_sqe();
+    io_uring_prep_read(sqe, event_fd_, &event_value_, sizeof(event_value_), 0);
+    io_uring_sqe_set_data64(sqe, kEventTag);
+  }
+
+  void take_incoming() {
+    std::lock_guard lock(mu_);
+    while (!incoming_.empty()) {
+      active_.push_back(new Op{std::move(incoming_.front())});
+      incoming_.pop_front();
+    }
+  }
+
+  // Hands chunks to the kernel while there is room in the queue.
+  void fill() {
+    const uint64_t block = engine_.options_.block_size;
+    while (!active_.empty() && !free_chunks_.empty()) {
+      Op* op = active_.front();
+      if (!op->error.is_ok() || op->carved == op->p.request.length) {
+        active_.pop_front();
+        if (op->outstanding == 0) complete(op);
+        continue;
+      }
+      Chunk* c = free_chunks_.back();
+      free_chunks_.pop_back();
+      uint64_t len = std::min(block, op->p.request.length - op->carved);
+      *c = Chunk{.op = op, .start = op->carved, .length = len};
+      op->carved += len;
+      ++op->outstanding;
+      issue(c);
+    }
+  }
+
+  // Prepares the SQE for what remains of chunk c (or a synthetic completion for a fault).
+  void issue(Chunk* c) {
+    Op* op = c->op;
+    const IoRequest& r = op->p.request;
+    uint64_t pos = c->start + c->done;
+    uint64_t len = c->length - c->done;
+    auto* buf = static_cast<char*>(r.buffer) + pos;
+    uint64_t offset = r.offset + pos;
+    ++stats_.chunks_submitted;
+
+    FaultInjector& faults = FaultInjector::global();
+    if (faults.active()) {
+      if (auto fault = faults.on_submit(r.op, r.file->path())) {
+        if (*fault == FaultKind::kShort) {
+          uint64_t align = std::max<uint64_t>(r.file->offset_alignment(), 1);
+          uint64_t shorter = align_down(len / 2, align);
+          if (shorter > 0 && shorter < len) len = shorter;
+        } else {
+          int res = *fault == FaultKind::kEio ? -EIO : *fault == FaultKind::kEnospc ? -ENOSPC : -EAGAIN;
+          synthetic_.push_back({c, res});
+          return;
+        }
+      }
+    }
+
+    io_uring_sqe* sqe = get_sqe();
+    int fd = op->p.file_slot >= 0 ? op->p.file_slot : r.file->fd();
+    auto n = static_cast<unsigned>(len);
+    if (op->p.buf_index >= 0) {
+      ++stats_.fixed_buffer_chunks;
+      if (r.op == IoOp::kRead) {
+        io_uring_prep_read_fixed(sqe, fd, buf, n, offset, op->p.buf_index);
+      } else {
+        io_uring_prep_write_fixed(sqe, fd, buf, n, offset, op->p.buf_index);
+      }
+    } else if (r.op == IoOp::kRead) {
+      io_uring_prep_read(sqe, fd, buf, n, offset);
+    } else {
+      io_uring_prep_write(sqe, fd, buf, n, offset);
+    }
+    if (op->p.file_slot >= 0) sqe->flags |= IOSQE_FIXED_FILE;
+    io_uring_sqe_set_data(sqe, c);
+  }
+
+  void on_chunk_result(Chunk* c, int res) {
+    Op* op = c->op;
+    const IoRequest& r = op->p.request;
+    uint64_t pos = c->start + c->done;
+    uint64_t remaining = c->length - c->done;
+    auto describe = [&] {
+      return fmt::format("{} of {} bytes at offset {} of {}", op_name(r.op), remaining,
+                         r.offset + pos, r.file->path());
+    };
+    if (res == -EAGAIN || res == -EINTR) {
+      if (++c->retries <= engine_.options_.max_retries) {
+        ++stats_.retries;
+        issue(c);
+        return;
+      }
+      set_error(op, errno_status(res, describe() + fmt::format(" (gave up after {} retries)",
+                                                               c->retries - 1)));
+    } else if (res < 0) {
+      set_error(op, errno_status(res, describe()));
+    } else if (res == 0) {
+      set_error(op, r.op == IoOp::kRead
+                        ? Status(ErrorCode::kIo, "unexpected end of file: " + describe())
+                        : Status(ErrorCode::kIo, describe() + " wrote nothing"));
+    } else {
+      auto moved = static_cast<uint64_t>(res);
+      ZINF_CHECK(moved <= remaining, "kernel reported {} bytes for a {}-byte chunk", moved,
+                 remaining);
+      c->done += moved;
+      (r.op == IoOp::kRead ? stats_.bytes_read : stats_.bytes_written) += moved;
+      if (c->done < c->length) {
+        ++stats_.short_continuations;
+        issue(c);
+        return;
+      }
+    }
+    // The chunk is finished (transferred or failed).
+    free_chunks_.push_back(c);
+    --op->outstanding;
+    // An op with chunks in flight is either at the front of active_ (still being carved, or
+    // failed and not yet popped: fill() completes it) or already popped (complete it here).
+    bool at_front = !active_.empty() && active_.front() == op;
+    if (op->outstanding == 0 && !at_front) complete(op);
+  }
+
+  void set_error(Op* op, Status s) {
+    if (op->error.is_ok()) op->error = std::move(s);
+  }
+
+  void complete(Op* op) {
+    Status s = std::move(op->error);
+    IoCallback done = std::move(op->p.done);
+    delete op;
+    (s.is_ok() ? stats_.requests_completed : stats_.requests_failed)++;
+    if (done) {
+      try {
+        done(std::move(s));
+      } catch (const std::exception& e) {
+        log::error("an I/O completion callback threw: {}", e.what());
+      }
+    }
+    auto& reg = *engine_.registry_;
+    std::lock_guard lock(reg.drain_mu);
+    if (++reg.completed == reg.accepted) reg.drain_cv.notify_all();
+  }
+
+  bool idle() const { return active_.empty() && in_flight() == 0 && synthetic_.empty(); }
+  uint32_t in_flight() const {
+    return static_cast<uint32_t>(chunks_.size() - free_chunks_.size());
+  }
+
+  void loop() {
+    tls_ring_ = this;
+    arm_wakeup();
+    while (true) {
+      take_incoming();
+      fill();
+      // Fault-injected completions are handled here, without the kernel.
+      while (!synthetic_.empty()) {
+        auto pending = std::move(synthetic_);
+        synthetic_.clear();
+        for (auto [c, res] : pending) on_chunk_result(c, res);
+        take_incoming();
+        fill();
+      }
+      if (idle()) {
+        std::lock_guard lock(mu_);
+        if (stopping_ && incoming_.empty()) break;
+      }
+      int rc = io_uring_submit_and_wait(&ring_, 1);
+      if (rc < 0 && rc != -EINTR && rc != -EAGAIN && rc != -EBUSY) {
+        log::error("io_uring_submit_and_wait on ring {} failed: {}", index_, std::strerror(-rc));
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+      bool rearm = false;
+      io_uring_cqe* cqe;
+      unsigned head, seen = 0;
+      // Collect first: handlers may prepare new SQEs, which is fine, but keep the CQ walk simple.
+      reaped_.clear();
+      io_uring_for_each_cqe(&ring_, head, cqe) {
+        ++seen;
+        if (cqe->user_data == kEventTag) {
+          rearm = true;
+        } else {
+          reaped_.push_back({static_cast<Chunk*>(io_uring_cqe_get_data(cqe)), cqe->res});
+        }
+      }
+      io_uring_cq_advance(&ring_, seen);
+      for (auto [c, res] : reaped_) on_chunk_result(c, res);
+      if (rearm) arm_wakeup();
+    }
+    tls_ring_ = nullptr;
+  }
+
+  IoEngine& engine_;
+  uint32_t index_;
+  io_uring ring_{};
+  bool ring_ok_ = false;
+  int event_fd_ = -1;
+  uint64_t event_value_ = 0;
+  std::thread thread_;
+
+  std::mutex mu_;
+  std::deque<Pending> incoming_;  // guarded by mu_
+  bool stopping_ = false;         // guarded by mu_
+
+  // Owned by the ring thread.
+  std::deque<Op*> active_;        // requests not yet fully carved into chunks
+  std::vector<Chunk> chunks_;
+  std::vector<Chunk*> free_chunks_;
+  std::vector<std::pair<Chunk*, int>> synthetic_;
+  std::vector<std::pair<Chunk*, int>> reaped_;
+
+  struct AtomicStats {
+    std::atomic<uint64_t> requests_completed{0}, requests_failed{0}, chunks_submitted{0},
+        short_continuations{0}, retries{0}, bytes_read{0}, bytes_written{0},
+        fixed_buffer_chunks{0};
+  } stats_;
+
+  static thread_local Ring* tls_ring_;
+};
+
+thread_local IoEngine::Ring* IoEngine::Ring::tls_ring_ = nullptr;
+
+IoEngine::IoEngine(const IoEngineOptions& options)
+    : options_(options), registry_(std::make_unique<Registry>()) {}
+
+IoEngine::~IoEngine() {
+  drain();
+  for (auto& r : rings_) r->stop();
+}
+
+Result<std::unique_ptr<IoEngine>> IoEngine::create(const IoEngineOptions& options) {
+  if (options.queue_depth == 0 || options.queue_depth > 4096) {
+    return make_error(ErrorCode::kInvalidArgument, "queue depth must be 1..4096, got {}",
+                      options.queue_depth);
+  }
+  if (options.block_size == 0 || options.block_size > kMaxBlockSize) {
+    return make_error(ErrorCode::kInvalidArgument, "block size must be 1 byte..1 GiB, got {}",
+                      options.block_size);
+  }
+  if (options.rings == 0 || options.rings > 64) {
+    return make_error(ErrorCode::kInvalidArgument, "rings must be 1..64, got {}", options.rings);
+  }
+  std::unique_ptr<IoEngine> engine(new IoEngine(options));
+  auto& reg = *engine->registry_;
+  for (uint32_t i = 0; i < options.rings; ++i) {
+    auto ring = std::make_unique<Ring>(*engine, i);
+    // Sparse tables are created before the ring thread runs.
+    Status s = ring->init();
+    if (!s.is_ok()) return s;
+    if (options.fixed_buffers && reg.buffers_available) {
+      reg.buffers_available = ring->register_sparse_buffers(options.max_registered_buffers);
+    }
+    if (options.fixed_files && reg.files_available) {
+      reg.files_available = ring->register_sparse_files(options.max_registered_files);
+    }
+    engine->rings_.push_back(std::move(ring));
+  }
+  reg.buffers_available = reg.buffers_available && options.fixed_buffers;
+  reg.files_available = reg.files_available && options.fixed_files;
+  reg.buffer_slot_used.assign(options.max_registered_buffers, false);
+  reg.file_slot_used.assign(options.max_registered_files, false);
+  if (options.fixed_buffers && !reg.buffers_available) {
+    log::warn_once("io:fixedbuf", "io_uring registered buffers unavailable: using plain reads");
+  }
+  return engine;
+}
+
+Status IoEngine::validate(const IoRequest& r) const {
+  if (r.file == nullptr || !r.file->is_open()) {
+    return make_error(ErrorCode::kInvalidArgument, "{} request without an open file",
+                      op_name(r.op));
+  }
+  if (r.buffer == nullptr || r.length == 0) {
+    return make_error(ErrorCode::kInvalidArgument, "{} of {} bytes at offset {} of {}: {}",
+                      op_name(r.op), r.length, r.offset, r.file->path(),
+                      r.buffer == nullptr ? "null buffer" : "zero length");
+  }
+  const uint64_t mem_align = r.file->mem_alignment();
+  const uint64_t off_align = r.file->offset_alignment();
+  auto addr = reinterpret_cast<uintptr_t>(r.buffer);
+  if (addr % mem_align != 0 || r.offset % off_align != 0 || r.length % off_align != 0) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "{} of {} bytes at offset {} of {} (buffer {:#x}) is misaligned: direct I/O "
+                      "on this file needs buffers aligned to {} bytes and offsets and lengths "
+                      "that are multiples of {}",
+                      op_name(r.op), r.length, r.offset, r.file->path(), addr, mem_align,
+                      off_align);
+  }
+  return Status::ok();
+}
+
+int IoEngine::buffer_slot(const void* buffer, uint64_t length) const {
+  if (!registry_->buffers_available) return -1;
+  auto addr = reinterpret_cast<uintptr_t>(buffer);
+  std::shared_lock lock(registry_->mu);
+  const auto& bufs = registry_->buffers;
+  auto it = std::upper_bound(bufs.begin(), bufs.end(), addr,
+                             [](uintptr_t a, const Registry::Buffer& b) { return a < b.base; });
+  if (it == bufs.begin()) return -1;
+  --it;
+  if (addr + length <= it->base + it->length) return it->slot;
+  return -1;
+}
+
+Status IoEngine::submit(const IoRequest& request, IoCallback done) {
+  IoCallback cb[1] = {std::move(done)};
+  return submit_batch(std::span<const IoRequest>(&request, 1), cb);
+}
+
+Status IoEngine::submit_batch(std::span<const IoRequest> requests, std::span<IoCallback> done,
+                              size_t* accepted_out) {
+  ZINF_CHECK(requests.size() == done.size(), "{} requests but {} callbacks", requests.size(),
+             done.size());
+  // Group per ring so that each ring is woken once.
+  std::vector<std::vector<Ring::Pending>> per_ring(rings_.size());
+  Status status;
+  size_t accepted = 0;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const IoRequest& r = requests[i];
+    status = validate(r);
+    if (!status.is_ok()) break;
+    int file_slot = -1;
+    if (registry_->files_available) {
+      std::shared_lock lock(registry_->mu);
+      auto it = registry_->file_slot.find(r.file->fd());
+      if (it != registry_->file_slot.end()) file_slot = it->second;
+    }
+    uint32_t ring = next_ring_.fetch_add(1, std::memory_order_relaxed) % rings_.size();
+    per_ring[ring].push_back(Ring::Pending{.request = r,
+                                           .done = std::move(done[i]),
+                                           .file_slot = file_slot,
+                                           .buf_index = buffer_slot(r.buffer, r.length)});
+    ++accepted;
+  }
+  if (accepted_out) *accepted_out = accepted;
+  if (accepted > 0) {
+    {
+      std::lock_guard lock(registry_->drain_mu);
+      registry_->accepted += accepted;
+    }
+    for (size_t i = 0; i < rings_.size(); ++i) {
+      if (!per_ring[i].empty()) rings_[i]->enqueue_batch(std::move(per_ring[i]));
+    }
+  }
+  return status;
+}
+
+std::future<Status> IoEngine::submit(const IoRequest& request) {
+  auto promise = std::make_shared<std::promise<Status>>();
+  std::future<Status> future = promise->get_future();
+  Status s = submit(request, [promise](Status st) { promise->set_value(std::move(st)); });
+  if (!s.is_ok()) promise->set_value(std::move(s));
+  return future;
+}
+
+Status IoEngine::read(const File& file, uint64_t offset, void* buffer, uint64_t length) {
+  return submit(IoRequest{.op = IoOp::kRead, .file = &file, .offset = offset, .buffer = buffer,
+                          .length = length})
+      .get();
+}
+
+Status IoEngine::write(const File& file, uint64_t offset, const void* buffer, uint64_t length) {
+  return submit(IoRequest{.op = IoOp::kWrite, .file = &file, .offset = offset,
+                          .buffer = const_cast<void*>(buffer), .length = length})
+      .get();
+}
+
+Result<int> IoEngine::register_buffer(void* base, uint64_t length) {
+  auto& reg = *registry_;
+  if (!reg.buffers_available) {
+    return make_error(ErrorCode::kUnavailable, "registered buffers are not available");
+  }
+  if (base == nullptr || length == 0 || length > kMaxBlockSize) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "cannot register a buffer of {} bytes (1 byte..1 GiB)", length);
+  }
+  std::unique_lock lock(reg.mu);
+  auto free_slot = std::find(reg.buffer_slot_used.begin(), reg.buffer_slot_used.end(), false);
+  if (free_slot == reg.buffer_slot_used.end()) {
+    return make_error(ErrorCode::kUnavailable, "all {} registered-buffer slots are in use",
+                      reg.buffer_slot_used.size());
+  }
+  int slot = static_cast<int>(free_slot - reg.buffer_slot_used.begin());
+  iovec iov{base, length};
+  for (size_t i = 0; i < rings_.size(); ++i) {
+    int rc = rings_[i]->update_buffer(slot, &iov);
+    if (rc < 0) {
+      iovec empty{nullptr, 0};
+      for (size_t j = 0; j < i; ++j) rings_[j]->update_buffer(slot, &empty);
+      return errno_status(rc, fmt::format("cannot register a {}-byte I/O buffer", length));
+    }
+  }
+  reg.buffer_slot_used[slot] = true;
+  auto addr = reinterpret_cast<uintptr_t>(base);
+  auto pos = std::lower_bound(reg.buffers.begin(), reg.buffers.end(), addr,
+                              [](const Registry::Buffer& b, uintptr_t a) { return b.base < a; });
+  reg.buffers.insert(pos, Registry::Buffer{addr, length, slot});
+  return slot;
+}
+
+Status IoEngine::unregister_buffer(int slot) {
+  auto& reg = *registry_;
+  std::unique_lock lock(reg.mu);
+  if (slot < 0 || static_cast<size_t>(slot) >= reg.buffer_slot_used.size() ||
+      !reg.buffer_slot_used[slot]) {
+    return make_error(ErrorCode::kInvalidArgument, "buffer slot {} is not registered", slot);
+  }
+  iovec empty{nullptr, 0};
+  for (auto& ring : rings_) ring->update_buffer(slot, &empty);
+  reg.buffer_slot_used[slot] = false;
+  std::erase_if(reg.buffers, [slot](const Registry::Buffer& b) { return b.slot == slot; });
+  return Status::ok();
+}
+
+Status IoEngine::register_file(const File& file) {
+  auto& reg = *registry_;
+  if (!reg.files_available) return Status::ok();  // plain fds work just as correctly
+  std::unique_lock lock(reg.mu);
+  if (reg.file_slot.count(file.fd())) return Status::ok();
+  auto free_slot = std::find(reg.file_slot_used.begin(), reg.file_slot_used.end(), false);
+  if (free_slot == reg.file_slot_used.end()) return Status::ok();  // table full: use the fd
+  int slot = static_cast<int>(free_slot - reg.file_slot_used.begin());
+  for (size_t i = 0; i < rings_.size(); ++i) {
+    int rc = rings_[i]->update_file(slot, file.fd());
+    if (rc < 0) {
+      for (size_t j = 0; j < i; ++j) rings_[j]->update_file(slot, -1);
+      return errno_status(rc, fmt::format("cannot register {} with io_uring", file.path()));
+    }
+  }
+  reg.file_slot_used[slot] = true;
+  reg.file_slot[file.fd()] = slot;
+  return Status::ok();
+}
+
+Status IoEngine::unregister_file(const File& file) {
+  auto& reg = *registry_;
+  std::unique_lock lock(reg.mu);
+  auto it = reg.file_slot.find(file.fd());
+  if (it == reg.file_slot.end()) return Status::ok();
+  for (auto& ring : rings_) ring->update_file(it->second, -1);
+  reg.file_slot_used[it->second] = false;
+  reg.file_slot.erase(it);
+  return Status::ok();
+}
+
+void IoEngine::drain() {
+  auto& reg = *registry_;
+  std::unique_lock lock(reg.drain_mu);
+  reg.drain_cv.wait(lock, [&] { return reg.completed == reg.accepted; });
+}
+
+IoStats IoEngine::stats() const {
+  IoStats s;
+  for (auto& r : rings_) r->add_stats(s);
+  return s;
+}
+
+}  // namespace zinf::io

@@ -1,0 +1,388 @@
+#include "zinf/io/swap_space.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <unordered_map>
+
+#include "zinf/core/log.h"
+#include "zinf/core/units.h"
+
+namespace zinf::io {
+namespace {
+
+struct SwapFile {
+  File file;
+  uint64_t size = 0;
+  std::map<uint64_t, uint64_t> free;  // offset -> length, coalesced
+
+  std::optional<uint64_t> take(uint64_t length) {
+    for (auto it = free.begin(); it != free.end(); ++it) {
+      if (it->second < length) continue;
+      uint64_t offset = it->first;
+      uint64_t rest = it->second - length;
+      free.erase(it);
+      if (rest > 0) free.emplace(offset + length, rest);
+      return offset;
+    }
+    return std::nullopt;
+  }
+
+  void give_back(uint64_t offset, uint64_t length) {
+    auto next = free.lower_bound(offset);
+    if (next != free.end() && offset + length == next->first) {
+      length += next->second;
+      next = free.erase(next);
+    }
+    if (next != free.begin()) {
+      auto prev = std::prev(next);
+      if (prev->first + prev->second == offset) {
+        prev->second += length;
+        return;
+      }
+    }
+    free.emplace(offset, length);
+  }
+};
+
+struct Directory {
+  std::string root;
+  std::string run_dir;
+  std::vector<std::unique_ptr<SwapFile>> files;
+  uint32_t files_created = 0;
+};
+
+struct Piece {
+  SwapFile* file;
+  uint64_t file_offset;
+  uint64_t extent_offset;
+  uint64_t length;
+};
+
+struct Extent {
+  std::string name;
+  uint64_t padded = 0;
+  std::vector<Piece> pieces;
+  std::optional<uint64_t> checksum;
+  uint32_t in_flight = 0;
+};
+
+}  // namespace
+
+struct SwapSpace::Impl {
+  IoEngine& engine;
+  SwapSpaceOptions options;
+
+  mutable std::mutex mu;
+  std::condition_variable idle_cv;
+  std::vector<Directory> dirs;
+  std::unordered_map<ExtentId, Extent> extents;
+  ExtentId next_id = 1;
+  uint32_t next_dir = 0;
+  uint64_t in_flight = 0;
+  SwapStats stats;
+
+  Impl(IoEngine& e, SwapSpaceOptions o) : engine(e), options(std::move(o)) {}
+
+  std::string describe(ExtentId id, const Extent& e) const {
+    return e.name.empty() ? fmt::format("swap extent {}", id)
+                          : fmt::format("swap extent {} ({})", id, e.name);
+  }
+
+  // Caller holds mu.
+  Result<Piece> allocate_in(Directory& dir, uint64_t length) {
+    for (auto& f : dir.files) {
+      if (auto offset = f->take(length)) return Piece{f.get(), *offset, 0, length};
+    }
+    uint64_t file_size = std::max(options.file_bytes, length);
+    std::string path = fmt::format("{}/swap-{}.bin", dir.run_dir, dir.files_created);
+    FileOptions fo{.create = true, .exclusive = true, .direct = options.direct};
+    ZINF_ASSIGN_OR_RETURN(File file, File::open(path, fo));
+    Status s = file.preallocate(0, file_size);
+    if (!s.is_ok()) {
+      (void)file.close();
+      ::unlink(path.c_str());
+      return std::move(s).with_context(
+          fmt::format("swap space on {} is full or unusable ({} needed for a new swap file)",
+                      dir.root, format_bytes(static_cast<double>(file_size))));
+    }
+    if (file.offset_alignment() > kAlignment) {
+      (void)file.close();
+      ::unlink(path.c_str());
+      return make_error(ErrorCode::kInvalidArgument,
+                        "{} needs {}-byte direct I/O alignment; swap space supports up to {}", path,
+                        file.offset_alignment(), kAlignment);
+    }
+    Status reg = engine.register_file(file);
+    if (!reg.is_ok()) log::warn("{} (using the plain descriptor)", reg.to_string());
+    auto swap = std::make_unique<SwapFile>();
+    swap->file = std::move(file);
+    swap->size = file_size;
+    swap->free.emplace(0, file_size);
+    ++dir.files_created;
+    stats.bytes_reserved += file_size;
+    ++stats.files;
+    dir.files.push_back(std::move(swap));
+    auto offset = dir.files.back()->take(length);
+    ZINF_CHECK(offset.has_value());
+    return Piece{dir.files.back().get(), *offset, 0, length};
+  }
+
+  void release_pieces(const std::vector<Piece>& pieces) {
+    for (const Piece& p : pieces) p.file->give_back(p.file_offset, p.length);
+  }
+
+  Status transfer(ExtentId id, IoOp op, void* buffer, std::function<void(Status)> done);
+};
+
+SwapSpace::SwapSpace(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Result<std::unique_ptr<SwapSpace>> SwapSpace::create(IoEngine& engine, SwapSpaceOptions options) {
+  if (options.directories.empty()) {
+    return make_error(ErrorCode::kInvalidArgument, "swap space needs at least one directory");
+  }
+  if (options.file_bytes == 0 || options.file_bytes % kAlignment != 0) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "swap file size must be a positive multiple of {} bytes, got {}", kAlignment,
+                      options.file_bytes);
+  }
+  auto impl = std::make_unique<Impl>(engine, options);
+  std::random_device rd;
+  for (const std::string& root : options.directories) {
+    struct stat st {};
+    if (::stat(root.c_str(), &st) != 0) {
+      Status s = errno_status(errno, fmt::format("swap directory {} is not usable", root));
+      for (auto& d : impl->dirs) ::rmdir(d.run_dir.c_str());
+      return s;
+    }
+    if (!S_ISDIR(st.st_mode) || ::access(root.c_str(), W_OK | X_OK) != 0) {
+      for (auto& d : impl->dirs) ::rmdir(d.run_dir.c_str());
+      return make_error(ErrorCode::kInvalidArgument, "swap directory {} is {}", root,
+                        S_ISDIR(st.st_mode) ? "not writable" : "not a directory");
+    }
+    std::string run_dir = fmt::format("{}/zinf-{}-{:08x}", root, ::getpid(), rd());
+    if (::mkdir(run_dir.c_str(), 0700) != 0) {
+      Status s = errno_status(errno, fmt::format("cannot create run directory {}", run_dir));
+      for (auto& d : impl->dirs) ::rmdir(d.run_dir.c_str());
+      return s;
+    }
+    impl->dirs.push_back(Directory{.root = root, .run_dir = run_dir});
+  }
+  return std::unique_ptr<SwapSpace>(new SwapSpace(std::move(impl)));
+}
+
+SwapSpace::~SwapSpace() {
+  Impl& s = *impl_;
+  std::unique_lock lock(s.mu);
+  s.idle_cv.wait(lock, [&] { return s.in_flight == 0; });
+  for (auto& dir : s.dirs) {
+    for (auto& f : dir.files) {
+      (void)s.engine.unregister_file(f->file);
+      std::string path = f->file.path();
+      Status c = f->file.close();
+      if (!c.is_ok()) log::warn("{}", c.to_string());
+      if (::unlink(path.c_str()) != 0) log::warn("cannot remove swap file {}", path);
+    }
+    if (::rmdir(dir.run_dir.c_str()) != 0) {
+      log::warn("cannot remove run directory {}: {}", dir.run_dir, std::strerror(errno));
+    }
+  }
+}
+
+Result<ExtentId> SwapSpace::allocate(uint64_t bytes, std::string name) {
+  if (bytes == 0) {
+    return make_error(ErrorCode::kInvalidArgument, "cannot allocate an empty swap extent{}",
+                      name.empty() ? "" : " for " + name);
+  }
+  Impl& s = *impl_;
+  uint64_t padded = align_up(bytes, kAlignment);
+  std::lock_guard lock(s.mu);
+  const uint64_t ndirs = s.dirs.size();
+  Extent extent{.name = std::move(name), .padded = padded};
+  // Stripe over every directory when each piece is big enough; else one piece, round robin.
+  uint64_t per_dir = align_up((padded + ndirs - 1) / ndirs, kAlignment);
+  bool stripe = ndirs > 1 && per_dir >= s.options.stripe_min_bytes;
+  uint64_t placed = 0;
+  for (uint64_t i = 0; placed < padded; ++i) {
+    Directory& dir = stripe ? s.dirs[i] : s.dirs[s.next_dir++ % ndirs];
+    uint64_t length = stripe ? std::min(per_dir, padded - placed) : padded;
+    auto piece = s.allocate_in(dir, length);
+    if (!piece.is_ok()) {
+      s.release_pieces(extent.pieces);
+      return std::move(piece).take_status().with_context(
+          extent.name.empty() ? fmt::format("allocating {} bytes of swap", padded)
+                              : fmt::format("allocating {} bytes of swap for {}", padded,
+                                            extent.name));
+    }
+    piece->extent_offset = placed;
+    placed += length;
+    extent.pieces.push_back(*piece);
+  }
+  ExtentId id = s.next_id++;
+  s.extents.emplace(id, std::move(extent));
+  ++s.stats.extents;
+  s.stats.bytes_allocated += padded;
+  return id;
+}
+
+Status SwapSpace::free(ExtentId id) {
+  Impl& s = *impl_;
+  std::lock_guard lock(s.mu);
+  auto it = s.extents.find(id);
+  if (it == s.extents.end()) {
+    return make_error(ErrorCode::kNotFound, "swap extent {} does not exist", id);
+  }
+  ZINF_CHECK(it->second.in_flight == 0, "{} freed with I/O in flight", s.describe(id, it->second));
+  s.release_pieces(it->second.pieces);
+  --s.stats.extents;
+  s.stats.bytes_allocated -= it->second.padded;
+  s.extents.erase(it);
+  return Status::ok();
+}
+
+uint64_t SwapSpace::padded_bytes(ExtentId id) const {
+  std::lock_guard lock(impl_->mu);
+  auto it = impl_->extents.find(id);
+  return it == impl_->extents.end() ? 0 : it->second.padded;
+}
+
+Status SwapSpace::Impl::transfer(ExtentId id, IoOp op, void* buffer,
+                                 std::function<void(Status)> done) {
+  std::vector<Piece> pieces;
+  std::string what;
+  uint64_t padded;
+  std::optional<uint64_t> expected;
+  {
+    std::lock_guard lock(mu);
+    auto it = extents.find(id);
+    if (it == extents.end()) {
+      return make_error(ErrorCode::kNotFound, "swap extent {} does not exist", id);
+    }
+    pieces = it->second.pieces;
+    what = describe(id, it->second);
+    padded = it->second.padded;
+    expected = it->second.checksum;
+    if (op == IoOp::kRead && options.checksum && !expected) {
+      return make_error(ErrorCode::kInvalidArgument, "{} is read before it was ever written",
+                        what);
+    }
+    ++it->second.in_flight;
+    ++in_flight;
+  }
+  std::optional<uint64_t> written_sum;
+  if (op == IoOp::kWrite && options.checksum) written_sum = XXH3_64bits(buffer, padded);
+
+  // Joins the pieces: the last one to finish reports the extent's outcome.
+  struct Join {
+    std::mutex mu;
+    size_t remaining;
+    Status first_error;
+  };
+  auto join = std::make_shared<Join>();
+  join->remaining = pieces.size();
+  auto finish = [this, id, op, buffer, padded, what, expected, written_sum,
+                 done = std::move(done)](Status st) {
+    if (st.is_ok() && op == IoOp::kRead && expected) {
+      uint64_t got = XXH3_64bits(buffer, padded);
+      if (got != *expected) {
+        st = make_error(ErrorCode::kCorrupt, "checksum mismatch: expected {:016x}, read {:016x}",
+                        *expected, got);
+      }
+    }
+    if (!st.is_ok()) st.with_context(what);
+    {
+      std::lock_guard lock(mu);
+      if (auto it = extents.find(id); it != extents.end()) {
+        --it->second.in_flight;
+        if (op == IoOp::kWrite) it->second.checksum = st.is_ok() ? written_sum : std::nullopt;
+      }
+      if (st.is_ok()) (op == IoOp::kRead ? stats.bytes_read : stats.bytes_written) += padded;
+    }
+    done(std::move(st));
+    std::lock_guard lock(mu);
+    if (--in_flight == 0) idle_cv.notify_all();
+  };
+  auto shared_finish = std::make_shared<decltype(finish)>(std::move(finish));
+
+  std::vector<IoRequest> requests;
+  std::vector<IoCallback> callbacks;
+  for (const Piece& p : pieces) {
+    requests.push_back(IoRequest{.op = op,
+                                 .file = &p.file->file,
+                                 .offset = p.file_offset,
+                                 .buffer = static_cast<char*>(buffer) + p.extent_offset,
+                                 .length = p.length});
+    callbacks.push_back([join, shared_finish](Status st) {
+      bool last;
+      Status outcome;
+      {
+        std::lock_guard lock(join->mu);
+        if (!st.is_ok() && join->first_error.is_ok()) join->first_error = std::move(st);
+        last = --join->remaining == 0;
+        if (last) outcome = std::move(join->first_error);
+      }
+      if (last) (*shared_finish)(std::move(outcome));
+    });
+  }
+  size_t accepted = 0;
+  Status s = engine.submit_batch(requests, callbacks, &accepted);
+  if (!s.is_ok()) {
+    // Pieces refused before submission never call back: account for them here.
+    size_t refused = requests.size() - accepted;
+    bool last;
+    Status outcome;
+    {
+      std::lock_guard lock(join->mu);
+      if (join->first_error.is_ok()) join->first_error = s;
+      join->remaining -= refused;
+      last = join->remaining == 0;
+      if (last) outcome = std::move(join->first_error);
+    }
+    if (last) (*shared_finish)(std::move(outcome));
+  }
+  return Status::ok();
+}
+
+Status SwapSpace::write_async(ExtentId id, const void* buffer, std::function<void(Status)> done) {
+  return impl_->transfer(id, IoOp::kWrite, const_cast<void*>(buffer), std::move(done));
+}
+
+Status SwapSpace::read_async(ExtentId id, void* buffer, std::function<void(Status)> done) {
+  return impl_->transfer(id, IoOp::kRead, buffer, std::move(done));
+}
+
+Status SwapSpace::write(ExtentId id, const void* buffer) {
+  std::promise<Status> p;
+  auto f = p.get_future();
+  ZINF_RETURN_IF_ERROR(write_async(id, buffer, [&p](Status s) { p.set_value(std::move(s)); }));
+  return f.get();
+}
+
+Status SwapSpace::read(ExtentId id, void* buffer) {
+  std::promise<Status> p;
+  auto f = p.get_future();
+  ZINF_RETURN_IF_ERROR(read_async(id, buffer, [&p](Status s) { p.set_value(std::move(s)); }));
+  return f.get();
+}
+
+SwapStats SwapSpace::stats() const {
+  std::lock_guard lock(impl_->mu);
+  return impl_->stats;
+}
+
+std::vector<std::string> SwapSpace::run_directories() const {
+  std::lock_guard lock(impl_->mu);
+  std::vector<std::string> out;
+  for (auto& d : impl_->dirs) out.push_back(d.run_dir);
+  return out;
+}
+
+}  // namespace zinf::io

@@ -1,0 +1,290 @@
+#include "zinf/io/io_engine.h"
+
+#include <gtest/gtest.h>
+#include <xxhash.h>
+
+#include <atomic>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "test_dir.h"
+#include "zinf/io/aligned_buffer.h"
+#include "zinf/io/fault.h"
+
+namespace zinf::io {
+namespace {
+
+class IoEngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    FaultInjector::global().clear();
+    ASSERT_FALSE(dir_.path().empty());
+  }
+  void TearDown() override { FaultInjector::global().clear(); }
+
+  std::unique_ptr<IoEngine> engine(IoEngineOptions o = {}) {
+    auto e = IoEngine::create(o);
+    EXPECT_TRUE(e.is_ok()) << e.status().to_string();
+    return std::move(e).value();
+  }
+  File open_file(const std::string& name, uint64_t prealloc = 0) {
+    auto f = File::open(dir_.file(name), {.create = true});
+    EXPECT_TRUE(f.is_ok()) << f.status().to_string();
+    if (prealloc) {
+      EXPECT_TRUE(f->preallocate(0, prealloc).is_ok());
+    }
+    return std::move(f).value();
+  }
+  static void fill_random(AlignedBuffer& b, uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    auto* w = reinterpret_cast<uint64_t*>(b.data());
+    for (size_t i = 0; i < b.size() / 8; ++i) w[i] = rng();
+  }
+
+  testing::TempDir dir_;
+};
+
+TEST_F(IoEngineTest, OpensDirectAndLearnsAlignment) {
+  File f = open_file("a.bin");
+  EXPECT_TRUE(f.direct());
+  EXPECT_GE(f.offset_alignment(), 512u);
+  EXPECT_LE(f.offset_alignment(), 4096u);
+  EXPECT_GE(f.mem_alignment(), 1u);
+}
+
+TEST_F(IoEngineTest, RoundTripsRandomSizesAndOffsetsWithChecksums) {
+  auto e = engine({.queue_depth = 8, .block_size = 64 << 10});
+  File f = open_file("rt.bin", 64 << 20);
+  std::mt19937_64 rng(42);
+  const uint64_t align = 4096;
+  for (int i = 0; i < 40; ++i) {
+    uint64_t blocks = 1 + rng() % 300;  // up to ~1.2 MiB: several chunks of 64 KiB
+    uint64_t offset = (rng() % 10000) * align;
+    AlignedBuffer out(blocks * align), in(blocks * align);
+    fill_random(out, rng());
+    ASSERT_TRUE(e->write(f, offset, out.data(), out.size()).is_ok());
+    ASSERT_TRUE(e->read(f, offset, in.data(), in.size()).is_ok());
+    ASSERT_EQ(XXH3_64bits(out.data(), out.size()), XXH3_64bits(in.data(), in.size()))
+        << "size " << out.size() << " offset " << offset;
+  }
+  IoStats s = e->stats();
+  EXPECT_GT(s.chunks_submitted, 80u);  // large requests were split into 64 KiB chunks
+  EXPECT_EQ(s.requests_failed, 0u);
+  EXPECT_EQ(s.bytes_read, s.bytes_written);
+}
+
+TEST_F(IoEngineTest, RefusesMisalignedRequestsClearly) {
+  auto e = engine();
+  File f = open_file("mis.bin", 1 << 20);
+  AlignedBuffer b(3 * 4096);
+  struct Case {
+    void* buf;
+    uint64_t offset, length;
+  } cases[] = {{b.data() + 1, 0, 4096}, {b.data(), 100, 4096}, {b.data(), 0, 1000}};
+  for (auto c : cases) {
+    Status s = e->write(f, c.offset, c.buf, c.length);
+    ASSERT_FALSE(s.is_ok());
+    EXPECT_EQ(s.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(s.message().find("misaligned"), std::string::npos) << s.message();
+    EXPECT_NE(s.message().find(f.path()), std::string::npos) << s.message();
+  }
+  Status zero = e->read(f, 0, b.data(), 0);
+  EXPECT_EQ(zero.code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(e->stats().chunks_submitted, 0u);  // nothing reached the kernel
+}
+
+TEST_F(IoEngineTest, InjectedShortTransfersContinue) {
+  auto e = engine({.queue_depth = 4, .block_size = 256 << 10});
+  File f = open_file("short.bin", 8 << 20);
+  ASSERT_TRUE(FaultInjector::global().add_spec("any:every:short").is_ok());
+  AlignedBuffer out(4 << 20), in(4 << 20);
+  fill_random(out, 7);
+  ASSERT_TRUE(e->write(f, 4096, out.data(), out.size()).is_ok());
+  ASSERT_TRUE(e->read(f, 4096, in.data(), in.size()).is_ok());
+  EXPECT_EQ(std::memcmp(out.data(), in.data(), out.size()), 0);
+  IoStats s = e->stats();
+  EXPECT_GT(s.short_continuations, 16u);
+  EXPECT_EQ(s.bytes_written, out.size());
+  EXPECT_EQ(s.bytes_read, in.size());
+}
+
+TEST_F(IoEngineTest, EagainIsResubmitted) {
+  auto e = engine({.queue_depth = 4, .block_size = 64 << 10});
+  File f = open_file("again.bin", 1 << 20);
+  FaultInjector::global().add({.op = IoOp::kWrite, .nth = 2, .kind = FaultKind::kEagain});
+  FaultInjector::global().add({.op = IoOp::kRead, .nth = 1, .kind = FaultKind::kEagain});
+  AlignedBuffer out(512 << 10), in(512 << 10);
+  fill_random(out, 9);
+  ASSERT_TRUE(e->write(f, 0, out.data(), out.size()).is_ok());
+  ASSERT_TRUE(e->read(f, 0, in.data(), in.size()).is_ok());
+  EXPECT_EQ(std::memcmp(out.data(), in.data(), out.size()), 0);
+  EXPECT_EQ(e->stats().retries, 2u);
+}
+
+TEST_F(IoEngineTest, EndlessEagainFailsAfterBoundedRetries) {
+  auto e = engine({.queue_depth = 2, .max_retries = 5});
+  File f = open_file("again2.bin", 1 << 20);
+  ASSERT_TRUE(FaultInjector::global().add_spec("read:every:eagain").is_ok());
+  AlignedBuffer in(4096);
+  Status s = e->read(f, 0, in.data(), in.size());
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_NE(s.message().find("gave up after 5 retries"), std::string::npos) << s.message();
+}
+
+TEST_F(IoEngineTest, InjectedErrorsNameFileAndOffset) {
+  auto e = engine({.queue_depth = 4, .block_size = 64 << 10});
+  File f = open_file("err.bin", 4 << 20);
+  AlignedBuffer b(1 << 20);
+  fill_random(b, 1);
+  // The 3rd write chunk fails with EIO: the request fails, naming the chunk's offset.
+  FaultInjector::global().add({.op = IoOp::kWrite, .nth = 3, .kind = FaultKind::kEio});
+  Status s = e->write(f, 1 << 20, b.data(), b.size());
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_EQ(s.code(), ErrorCode::kIo);
+  EXPECT_EQ(s.sys_errno(), EIO);
+  EXPECT_NE(s.message().find(f.path()), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("offset " + std::to_string((1 << 20) + 2 * (64 << 10))),
+            std::string::npos)
+      << s.message();
+
+  FaultInjector::global().clear();
+  FaultInjector::global().add({.op = IoOp::kRead, .nth = 1, .kind = FaultKind::kEnospc});
+  Status r = e->read(f, 0, b.data(), 4096);
+  EXPECT_EQ(r.code(), ErrorCode::kNoSpace);
+  EXPECT_NE(r.to_string().find("No space left"), std::string::npos);
+  EXPECT_EQ(e->stats().requests_failed, 2u);
+  // The engine keeps working after errors.
+  FaultInjector::global().clear();
+  EXPECT_TRUE(e->write(f, 0, b.data(), b.size()).is_ok());
+}
+
+TEST_F(IoEngineTest, ReadPastEndOfFileIsAnError) {
+  auto e = engine();
+  File f = open_file("eof.bin", 4096);
+  AlignedBuffer b(8192);
+  Status s = e->read(f, 4096, b.data(), b.size());
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_NE(s.message().find("unexpected end of file"), std::string::npos) << s.message();
+}
+
+TEST_F(IoEngineTest, DirectRefusalFallsBackToBufferedIo) {
+  FaultInjector::global().set_refuse_direct(true);
+  File f = open_file("buffered.bin");
+  EXPECT_FALSE(f.direct());
+  EXPECT_EQ(f.offset_alignment(), 1u);
+  auto e = engine();
+  std::vector<char> out(10000, 'z'), in(10000);  // unaligned sizes are fine when buffered
+  ASSERT_TRUE(e->write(f, 3, out.data(), out.size()).is_ok());
+  ASSERT_TRUE(e->read(f, 3, in.data(), in.size()).is_ok());
+  EXPECT_EQ(out, in);
+}
+
+TEST_F(IoEngineTest, EnvironmentSpecIsParsedAndBadSpecsNamed) {
+  EXPECT_TRUE(FaultInjector::global().add_spec("write:3:eio,read:2+:short:swap,direct:refuse")
+                  .is_ok());
+  EXPECT_TRUE(FaultInjector::global().refuse_direct());
+  for (const char* bad : {"write:0:eio", "write:x:eio", "nope:1:eio", "read:1:boom", "read:1"}) {
+    Status s = FaultInjector::global().add_spec(bad);
+    ASSERT_FALSE(s.is_ok()) << bad;
+    EXPECT_NE(s.message().find(bad), std::string::npos) << s.message();
+  }
+}
+
+TEST_F(IoEngineTest, RegisteredBuffersAndFilesAreUsed) {
+  auto e = engine({.queue_depth = 8, .block_size = 128 << 10});
+  File f = open_file("fixed.bin", 4 << 20);
+  ASSERT_TRUE(e->register_file(f).is_ok());
+  AlignedBuffer out(2 << 20), in(2 << 20);
+  fill_random(out, 3);
+  auto so = e->register_buffer(out.data(), out.size());
+  auto si = e->register_buffer(in.data(), in.size());
+  ASSERT_TRUE(so.is_ok()) << so.status().to_string();
+  ASSERT_TRUE(si.is_ok()) << si.status().to_string();
+  ASSERT_TRUE(e->write(f, 0, out.data(), out.size()).is_ok());
+  ASSERT_TRUE(e->read(f, 0, in.data() , in.size()).is_ok());
+  EXPECT_EQ(std::memcmp(out.data(), in.data(), out.size()), 0);
+  EXPECT_EQ(e->stats().fixed_buffer_chunks, 32u);  // 2 x 2 MiB in 128 KiB chunks
+  // A request that straddles past the registered range falls back to a plain read.
+  EXPECT_TRUE(e->unregister_buffer(*so).is_ok());
+  EXPECT_TRUE(e->unregister_buffer(*si).is_ok());
+  EXPECT_FALSE(e->unregister_buffer(*si).is_ok());
+  ASSERT_TRUE(e->read(f, 0, in.data(), in.size()).is_ok());
+  EXPECT_EQ(e->stats().fixed_buffer_chunks, 32u);
+  EXPECT_TRUE(e->unregister_file(f).is_ok());
+}
+
+TEST_F(IoEngineTest, ThousandsOfConcurrentRequestsCompleteExactlyOnce) {
+  auto e = engine({.queue_depth = 16, .block_size = 16 << 10, .rings = 3});
+  File f = open_file("many.bin", 16 << 20);
+  constexpr int kThreads = 4, kPerThread = 1500;
+  constexpr uint64_t kBlock = 4096;
+  AlignedBuffer data(kThreads * kPerThread * kBlock);
+  fill_random(data, 11);
+  std::vector<std::atomic<int>> calls(kThreads * kPerThread);
+  std::atomic<int> failures{0};
+  // A few injected faults along the way must not lose or duplicate any completion.
+  ASSERT_TRUE(FaultInjector::global().add_spec("write:500:eio,write:900:short,read:77:eagain")
+                  .is_ok());
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < kPerThread; ++i) {
+        int id = t * kPerThread + i;
+        uint64_t off = static_cast<uint64_t>(id) * kBlock;
+        Status s = e->submit(IoRequest{.op = IoOp::kWrite, .file = &f, .offset = off,
+                                       .buffer = data.data() + off, .length = kBlock},
+                             [&, id](Status st) {
+                               calls[id].fetch_add(1);
+                               if (!st.is_ok()) failures.fetch_add(1);
+                             });
+        ASSERT_TRUE(s.is_ok());
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  e->drain();
+  for (int i = 0; i < kThreads * kPerThread; ++i) ASSERT_EQ(calls[i].load(), 1) << "request " << i;
+  EXPECT_EQ(failures.load(), 1);  // exactly the one injected EIO
+  IoStats s = e->stats();
+  EXPECT_EQ(s.requests_completed + s.requests_failed, uint64_t{kThreads * kPerThread});
+  EXPECT_EQ(s.requests_failed, 1u);
+}
+
+TEST_F(IoEngineTest, CallbacksMayResubmit) {
+  auto e = engine({.queue_depth = 4});
+  File f = open_file("chain.bin", 1 << 20);
+  AlignedBuffer b(4096);
+  std::memset(b.data(), 0x5a, b.size());
+  std::atomic<int> remaining{100};
+  std::promise<void> finished;
+  std::function<void(Status)> next = [&](Status s) {
+    ASSERT_TRUE(s.is_ok());
+    int left = --remaining;
+    if (left == 0) {
+      finished.set_value();
+      return;
+    }
+    ASSERT_TRUE(e->submit(IoRequest{.op = IoOp::kWrite, .file = &f,
+                                    .offset = static_cast<uint64_t>(left) * 4096,
+                                    .buffer = b.data(), .length = 4096},
+                          next)
+                    .is_ok());
+  };
+  ASSERT_TRUE(
+      e->submit(IoRequest{.op = IoOp::kWrite, .file = &f, .buffer = b.data(), .length = 4096}, next)
+          .is_ok());
+  finished.get_future().wait();
+  e->drain();
+  EXPECT_EQ(e->stats().requests_completed, 100u);
+}
+
+TEST(IoEngineOptionsTest, BadOptionsAreRefused) {
+  EXPECT_FALSE(IoEngine::create({.queue_depth = 0}).is_ok());
+  EXPECT_FALSE(IoEngine::create({.block_size = 0}).is_ok());
+  EXPECT_FALSE(IoEngine::create({.rings = 0}).is_ok());
+}
+
+}  // namespace
+}  // namespace zinf::io
