@@ -71,7 +71,7 @@ struct Extent {
   std::string name;
   uint64_t padded = 0;
   std::vector<Piece> pieces;
-  std::optional<uint64_t> checksum;
+  std::vector<std::optional<uint64_t>> checksums;  // one per kChecksumBlock; unset: never written
   uint32_t in_flight = 0;
 };
 
@@ -140,7 +140,8 @@ struct SwapSpace::Impl {
     for (const Piece& p : pieces) p.file->give_back(p.file_offset, p.length);
   }
 
-  Status transfer(ExtentId id, IoOp op, void* buffer, std::function<void(Status)> done);
+  Status transfer(ExtentId id, IoOp op, uint64_t offset, uint64_t length, void* buffer,
+                  std::function<void(Status)> done);
 };
 
 SwapSpace::SwapSpace(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -226,6 +227,7 @@ Result<ExtentId> SwapSpace::allocate(uint64_t bytes, std::string name) {
     placed += length;
     extent.pieces.push_back(*piece);
   }
+  extent.checksums.resize((padded + kChecksumBlock - 1) / kChecksumBlock);
   ExtentId id = s.next_id++;
   s.extents.emplace(id, std::move(extent));
   ++s.stats.extents;
@@ -254,47 +256,90 @@ uint64_t SwapSpace::padded_bytes(ExtentId id) const {
   return it == impl_->extents.end() ? 0 : it->second.padded;
 }
 
-Status SwapSpace::Impl::transfer(ExtentId id, IoOp op, void* buffer,
-                                 std::function<void(Status)> done) {
-  std::vector<Piece> pieces;
+Status SwapSpace::Impl::transfer(ExtentId id, IoOp op, uint64_t offset, uint64_t length,
+                                 void* buffer, std::function<void(Status)> done) {
+  std::vector<IoRequest> requests;
   std::string what;
-  uint64_t padded;
-  std::optional<uint64_t> expected;
+  std::vector<std::optional<uint64_t>> expected;  // checksums of the blocks in range (reads)
+  const uint64_t first_block = offset / kChecksumBlock;
   {
     std::lock_guard lock(mu);
     auto it = extents.find(id);
     if (it == extents.end()) {
       return make_error(ErrorCode::kNotFound, "swap extent {} does not exist", id);
     }
-    pieces = it->second.pieces;
-    what = describe(id, it->second);
-    padded = it->second.padded;
-    expected = it->second.checksum;
-    if (op == IoOp::kRead && options.checksum && !expected) {
-      return make_error(ErrorCode::kInvalidArgument, "{} is read before it was ever written",
-                        what);
+    Extent& e = it->second;
+    what = describe(id, e);
+    if (length == 0 || offset % kAlignment != 0 || length % kAlignment != 0 ||
+        offset + length > e.padded) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "{}: range of {} bytes at offset {} is not 4 KiB aligned inside its {} "
+                        "bytes",
+                        what, length, offset, e.padded);
     }
-    ++it->second.in_flight;
+    if (options.checksum &&
+        (offset % kChecksumBlock != 0 ||
+         (length % kChecksumBlock != 0 && offset + length != e.padded))) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "{}: with checksums on, ranges must start and end on {}-byte blocks "
+                        "(offset {}, length {})",
+                        what, kChecksumBlock, offset, length);
+    }
+    if (op == IoOp::kRead && options.checksum) {
+      for (uint64_t b = first_block; b * kChecksumBlock < offset + length; ++b) {
+        if (!e.checksums[b]) {
+          return make_error(ErrorCode::kInvalidArgument,
+                            "{} is read at offset {} before it was ever written", what,
+                            b * kChecksumBlock);
+        }
+        expected.push_back(e.checksums[b]);
+      }
+    }
+    for (const Piece& p : e.pieces) {
+      uint64_t lo = std::max(offset, p.extent_offset);
+      uint64_t hi = std::min(offset + length, p.extent_offset + p.length);
+      if (lo >= hi) continue;
+      requests.push_back(IoRequest{.op = op,
+                                   .file = &p.file->file,
+                                   .offset = p.file_offset + (lo - p.extent_offset),
+                                   .buffer = static_cast<char*>(buffer) + (lo - offset),
+                                   .length = hi - lo});
+    }
+    ++e.in_flight;
     ++in_flight;
   }
-  std::optional<uint64_t> written_sum;
-  if (op == IoOp::kWrite && options.checksum) written_sum = XXH3_64bits(buffer, padded);
+  // Checksums of the written blocks, computed before the data leaves.
+  std::vector<uint64_t> written;
+  if (op == IoOp::kWrite && options.checksum) {
+    for (uint64_t pos = 0; pos < length; pos += kChecksumBlock) {
+      written.push_back(
+          XXH3_64bits(static_cast<char*>(buffer) + pos, std::min(kChecksumBlock, length - pos)));
+    }
+  }
 
-  // Joins the pieces: the last one to finish reports the extent's outcome.
+  // Joins the pieces: the last one to finish reports the range's outcome.
   struct Join {
     std::mutex mu;
     size_t remaining;
     Status first_error;
   };
   auto join = std::make_shared<Join>();
-  join->remaining = pieces.size();
-  auto finish = [this, id, op, buffer, padded, what, expected, written_sum,
+  join->remaining = requests.size();
+  auto finish = [this, id, op, offset, length, buffer, first_block, what,
+                 expected = std::move(expected), written = std::move(written),
                  done = std::move(done)](Status st) {
-    if (st.is_ok() && op == IoOp::kRead && expected) {
-      uint64_t got = XXH3_64bits(buffer, padded);
-      if (got != *expected) {
-        st = make_error(ErrorCode::kCorrupt, "checksum mismatch: expected {:016x}, read {:016x}",
-                        *expected, got);
+    if (st.is_ok() && op == IoOp::kRead) {
+      for (size_t b = 0; b < expected.size(); ++b) {
+        uint64_t pos = b * kChecksumBlock;
+        uint64_t got = XXH3_64bits(static_cast<char*>(buffer) + pos,
+                                   std::min(kChecksumBlock, length - pos));
+        if (got != *expected[b]) {
+          st = make_error(ErrorCode::kCorrupt,
+                          "checksum mismatch in the {}-byte block at offset {}: expected {:016x}, "
+                          "read {:016x}",
+                          kChecksumBlock, offset + pos, *expected[b], got);
+          break;
+        }
       }
     }
     if (!st.is_ok()) st.with_context(what);
@@ -302,9 +347,13 @@ Status SwapSpace::Impl::transfer(ExtentId id, IoOp op, void* buffer,
       std::lock_guard lock(mu);
       if (auto it = extents.find(id); it != extents.end()) {
         --it->second.in_flight;
-        if (op == IoOp::kWrite) it->second.checksum = st.is_ok() ? written_sum : std::nullopt;
+        for (size_t b = 0; op == IoOp::kWrite && b * kChecksumBlock < length; ++b) {
+          // A failed write leaves the blocks unknown: they read as never written.
+          it->second.checksums[first_block + b] =
+              st.is_ok() && options.checksum ? std::optional<uint64_t>(written[b]) : std::nullopt;
+        }
       }
-      if (st.is_ok()) (op == IoOp::kRead ? stats.bytes_read : stats.bytes_written) += padded;
+      if (st.is_ok()) (op == IoOp::kRead ? stats.bytes_read : stats.bytes_written) += length;
     }
     done(std::move(st));
     std::lock_guard lock(mu);
@@ -312,14 +361,8 @@ Status SwapSpace::Impl::transfer(ExtentId id, IoOp op, void* buffer,
   };
   auto shared_finish = std::make_shared<decltype(finish)>(std::move(finish));
 
-  std::vector<IoRequest> requests;
   std::vector<IoCallback> callbacks;
-  for (const Piece& p : pieces) {
-    requests.push_back(IoRequest{.op = op,
-                                 .file = &p.file->file,
-                                 .offset = p.file_offset,
-                                 .buffer = static_cast<char*>(buffer) + p.extent_offset,
-                                 .length = p.length});
+  for (size_t i = 0; i < requests.size(); ++i) {
     callbacks.push_back([join, shared_finish](Status st) {
       bool last;
       Status outcome;
@@ -352,11 +395,44 @@ Status SwapSpace::Impl::transfer(ExtentId id, IoOp op, void* buffer,
 }
 
 Status SwapSpace::write_async(ExtentId id, const void* buffer, std::function<void(Status)> done) {
-  return impl_->transfer(id, IoOp::kWrite, const_cast<void*>(buffer), std::move(done));
+  return write_range_async(id, 0, padded_bytes(id), buffer, std::move(done));
 }
 
 Status SwapSpace::read_async(ExtentId id, void* buffer, std::function<void(Status)> done) {
-  return impl_->transfer(id, IoOp::kRead, buffer, std::move(done));
+  return read_range_async(id, 0, padded_bytes(id), buffer, std::move(done));
+}
+
+Status SwapSpace::write_range_async(ExtentId id, uint64_t offset, uint64_t length,
+                                    const void* buffer, std::function<void(Status)> done) {
+  if (padded_bytes(id) == 0) {
+    return make_error(ErrorCode::kNotFound, "swap extent {} does not exist", id);
+  }
+  return impl_->transfer(id, IoOp::kWrite, offset, length, const_cast<void*>(buffer),
+                         std::move(done));
+}
+
+Status SwapSpace::read_range_async(ExtentId id, uint64_t offset, uint64_t length, void* buffer,
+                                   std::function<void(Status)> done) {
+  if (padded_bytes(id) == 0) {
+    return make_error(ErrorCode::kNotFound, "swap extent {} does not exist", id);
+  }
+  return impl_->transfer(id, IoOp::kRead, offset, length, buffer, std::move(done));
+}
+
+Status SwapSpace::write_range(ExtentId id, uint64_t offset, uint64_t length, const void* buffer) {
+  std::promise<Status> p;
+  auto f = p.get_future();
+  ZINF_RETURN_IF_ERROR(write_range_async(id, offset, length, buffer,
+                                         [&p](Status s) { p.set_value(std::move(s)); }));
+  return f.get();
+}
+
+Status SwapSpace::read_range(ExtentId id, uint64_t offset, uint64_t length, void* buffer) {
+  std::promise<Status> p;
+  auto f = p.get_future();
+  ZINF_RETURN_IF_ERROR(read_range_async(id, offset, length, buffer,
+                                        [&p](Status s) { p.set_value(std::move(s)); }));
+  return f.get();
 }
 
 Status SwapSpace::write(ExtentId id, const void* buffer) {

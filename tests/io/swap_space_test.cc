@@ -163,6 +163,32 @@ TEST_F(SwapSpaceTest, WriteErrorNamesExtentAndKeepsOldChecksumFromBeingTrusted) 
   EXPECT_EQ(swap->read(*id, back.data()).code(), ErrorCode::kInvalidArgument);
 }
 
+TEST_F(SwapSpaceTest, RangesReadAndWritePartsWithBlockChecksums) {
+  auto swap = make({.directories = {a_.path(), b_.path()}, .file_bytes = 4 << 20,
+                    .stripe_min_bytes = 256 << 10, .checksum = true});
+  ASSERT_TRUE(swap);
+  const uint64_t mib = 1 << 20;
+  auto id = swap->allocate(3 * mib + 8192, "fp32.master");  // striped, partial last block
+  ASSERT_TRUE(id.is_ok());
+  uint64_t padded = swap->padded_bytes(*id);
+  AlignedBuffer whole = random_buffer(padded, 21);
+  ASSERT_TRUE(swap->write(*id, whole.data()).is_ok());
+  AlignedBuffer part(mib);
+  ASSERT_TRUE(swap->read_range(*id, mib, mib, part.data()).is_ok());
+  EXPECT_EQ(std::memcmp(part.data(), whole.data() + mib, mib), 0);
+  // Overwrite the second-to-last block and the partial tail, then read everything back.
+  AlignedBuffer fresh = random_buffer(padded - 2 * mib, 22);
+  ASSERT_TRUE(swap->write_range(*id, 2 * mib, padded - 2 * mib, fresh.data()).is_ok());
+  std::memcpy(whole.data() + 2 * mib, fresh.data(), padded - 2 * mib);
+  AlignedBuffer back(padded);
+  ASSERT_TRUE(swap->read(*id, back.data()).is_ok());
+  EXPECT_EQ(std::memcmp(back.data(), whole.data(), padded), 0);
+  // With checksums, ranges must cover whole blocks; and ranges must lie inside the extent.
+  EXPECT_EQ(swap->read_range(*id, 4096, mib, part.data()).code(), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(swap->read_range(*id, 3 * mib, 2 * mib, part.data()).code(),
+            ErrorCode::kInvalidArgument);
+}
+
 TEST_F(SwapSpaceTest, BadDirectoriesAreRefused) {
   auto missing = SwapSpace::create(*engine_, {.directories = {a_.path() + "/nope"}});
   ASSERT_FALSE(missing.is_ok());

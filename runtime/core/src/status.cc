@@ -33,6 +33,11 @@ Status&& Status::with_context(std::string_view context) && {
   return std::move(*this);
 }
 
+std::string Status::detail() const {
+  if (errno_ != 0) return fmt::format("{}: {}", message_, std::strerror(errno_));
+  return message_;
+}
+
 std::string Status::to_string() const {
   if (is_ok()) return "ok";
   if (errno_ != 0) return fmt::format("{}: {}: {}", error_code_name(code_), message_, std::strerror(errno_));

@@ -8,8 +8,9 @@
 //    least `stripe_min_bytes` per directory, so one tensor read uses every drive.
 //  - Extent sizes are rounded up to 4 KiB: read()/write() move padded_bytes(), and buffers must
 //    be that large and 4 KiB aligned.
-//  - With `checksum` on, write() records an XXH3-64 of the extent's bytes and read() verifies
-//    it: a mismatch is ErrorCode::kCorrupt naming the extent and its files.
+//  - With `checksum` on, writes record an XXH3-64 of every 1 MiB block of the extent and reads
+//    verify the blocks they cover: a mismatch is ErrorCode::kCorrupt naming the extent and the
+//    offset. Range transfers then start and end on 1 MiB blocks (or at the extent's end).
 //  - All methods are thread-safe. I/O goes through the IoEngine given at creation, which must
 //    outlive the SwapSpace.
 #pragma once
@@ -48,6 +49,7 @@ struct SwapStats {
 class SwapSpace {
  public:
   static constexpr uint64_t kAlignment = 4096;
+  static constexpr uint64_t kChecksumBlock = 1ull << 20;
 
   static Result<std::unique_ptr<SwapSpace>> create(IoEngine& engine, SwapSpaceOptions options);
   ~SwapSpace();
@@ -66,6 +68,13 @@ class SwapSpace {
   Status read_async(ExtentId id, void* buffer, std::function<void(Status)> done);
   Status write(ExtentId id, const void* buffer);
   Status read(ExtentId id, void* buffer);
+  // Part of an extent: [offset, offset+length), 4 KiB aligned; `buffer` holds just that range.
+  Status write_range_async(ExtentId id, uint64_t offset, uint64_t length, const void* buffer,
+                           std::function<void(Status)> done);
+  Status read_range_async(ExtentId id, uint64_t offset, uint64_t length, void* buffer,
+                          std::function<void(Status)> done);
+  Status write_range(ExtentId id, uint64_t offset, uint64_t length, const void* buffer);
+  Status read_range(ExtentId id, uint64_t offset, uint64_t length, void* buffer);
 
   SwapStats stats() const;
   // The private run directories, one per configured directory.

@@ -49,7 +49,9 @@ class [[nodiscard]] Status {
   Status& with_context(std::string_view context) &;
   Status&& with_context(std::string_view context) &&;
 
-  // "<code name>: <message>[: <strerror>]"
+  // "<message>[: <strerror>]": what a user reads in a one-line error.
+  std::string detail() const;
+  // "<code name>: <message>[: <strerror>]": for logs.
   std::string to_string() const;
 
  private:

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Compares `zinf bench io` with fio (io_uring engine, direct=1) on the same path, same block
+# size and queue depth, alternating the two several times because the disk is noisy, and prints
+# the medians and the median of the per-pair ratios zinf/fio for each case.
+#
+#   bench/io_vs_fio.sh DIR [RUNS]        (env: ZINF=path/to/zinf, SIZE=1G, CASES="1M:8 1M:32 128K:32")
+set -euo pipefail
+DIR=${1:?usage: bench/io_vs_fio.sh DIR [RUNS]}
+RUNS=${2:-5}
+ZINF=${ZINF:-build/cli/zinf}
+SIZE=${SIZE:-1G}
+CASES=${CASES:-"1M:8 1M:32 128K:32"}
+command -v fio >/dev/null || { echo "fio is not installed (make deps installs it)" >&2; exit 1; }
+[ -x "$ZINF" ] || { echo "$ZINF not found: build first (make build)" >&2; exit 1; }
+mkdir -p "$DIR"
+FIOFILE="$DIR/fio-yardstick.dat"
+trap 'rm -f "$FIOFILE"' EXIT
+
+# Both tools start from a fresh file each run (zinf creates and removes its own; fio's is
+# removed before each run), so neither is favoured by data the host still caches from earlier
+# runs: reads go over a file laid out just before, writes into a freshly allocated file.
+fio_bw() {  # rw bs qd -> bytes/s
+  rm -f "$FIOFILE"
+  fio --name=yardstick --filename="$FIOFILE" --size="$SIZE" --rw="$1" --bs="$2" --iodepth="$3" \
+      --ioengine=io_uring --direct=1 --numjobs=1 --output-format=json 2>/dev/null |
+    python3 -c 'import json,sys; j=json.load(sys.stdin)["jobs"][0]; print(j["read"]["bw_bytes"]+j["write"]["bw_bytes"])'
+}
+zinf_bw() {
+  "$ZINF" bench io --path "$DIR" --size "$SIZE" --rw "$1" --block-size "$2" --queue-depth "$3" --json |
+    python3 -c 'import json,sys; print(json.load(sys.stdin)["bytes_per_s"])'
+}
+
+printf "%-6s %-6s %-4s %14s %14s %12s   (medians of %d alternating runs, %s)\n" \
+  rw bs qd "zinf GB/s" "fio GB/s" "zinf/fio" "$RUNS" "$SIZE"
+for case in $CASES; do
+  bs=${case%%:*}; qd=${case##*:}
+  for rw in read write; do
+    z=(); f=()
+    for ((i = 0; i < RUNS; i++)); do
+      f+=("$(fio_bw $rw $bs $qd)")
+      z+=("$(zinf_bw $rw $bs $qd)")
+    done
+    python3 - "$rw" "$bs" "$qd" "${z[*]}" "${f[*]}" <<'PY'
+import json, statistics, sys
+rw, bs, qd = sys.argv[1:4]
+z = [float(x) for x in sys.argv[4].split()]
+f = [float(x) for x in sys.argv[5].split()]
+ratios = [a / b for a, b in zip(z, f) if b > 0]
+mz, mf, mr = statistics.median(z), statistics.median(f), statistics.median(ratios)
+print(f"{rw:<6} {bs:<6} {qd:<4} {mz/1e9:14.3f} {mf/1e9:14.3f} {mr:12.3f}")
+print(json.dumps({"rw": rw, "block_size": bs, "queue_depth": int(qd), "zinf_bytes_per_s": z,
+                  "fio_bytes_per_s": f, "median_ratio": mr}), file=sys.stderr)
+PY
+  done
+done

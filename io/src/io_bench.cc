@@ -1,0 +1,306 @@
+#include "zinf/io/io_bench.h"
+
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "zinf/core/units.h"
+#include "zinf/io/aligned_buffer.h"
+#include "zinf/io/io_engine.h"
+
+namespace zinf::io {
+namespace {
+
+constexpr uint64_t kSector = 4096;
+constexpr uint64_t kStampMagic = 0x7a696e66'00000000ull;  // "zinf"
+
+uint64_t stamp_for(uint64_t offset, uint64_t seed) { return kStampMagic ^ (offset * 0x9e3779b97f4a7c15ull) ^ seed; }
+
+void stamp_block(std::byte* buf, uint64_t block_bytes, uint64_t offset, uint64_t seed) {
+  for (uint64_t s = 0; s < block_bytes; s += kSector) {
+    uint64_t v = stamp_for(offset + s, seed);
+    std::memcpy(buf + s, &v, sizeof(v));
+  }
+}
+
+// Number of sectors whose stamp is wrong.
+uint64_t check_block(const std::byte* buf, uint64_t block_bytes, uint64_t offset, uint64_t seed) {
+  uint64_t bad = 0;
+  for (uint64_t s = 0; s < block_bytes; s += kSector) {
+    uint64_t v;
+    std::memcpy(&v, buf + s, sizeof(v));
+    bad += v != stamp_for(offset + s, seed);
+  }
+  return bad;
+}
+
+// One pass over the file with `queue_depth` blocks in flight per thread region.
+class Pass {
+ public:
+  Pass(IoEngine& engine, const File& file, const IoBenchOptions& o, bool write, bool random,
+       std::vector<AlignedBuffer>& slots)
+      : engine_(engine), file_(file), o_(o), write_(write), slots_(slots) {
+    const uint64_t blocks = o.size / o.block_size;
+    const uint64_t per_thread = blocks / o.threads;
+    std::mt19937_64 rng(o.seed);
+    for (uint32_t t = 0; t < o.threads; ++t) {
+      Region r;
+      uint64_t first = t * per_thread;
+      uint64_t count = t + 1 == o.threads ? blocks - first : per_thread;
+      r.order.resize(count);
+      std::iota(r.order.begin(), r.order.end(), first);
+      if (random) std::shuffle(r.order.begin(), r.order.end(), rng);
+      regions_.push_back(std::move(r));
+    }
+    total_bytes_ = blocks * o.block_size;
+  }
+
+  Status run(const char* phase, const IoBenchProgress& progress, double* seconds) {
+    auto start = std::chrono::steady_clock::now();
+    for (uint32_t t = 0; t < o_.threads; ++t) {
+      for (uint32_t q = 0; q < o_.queue_depth; ++q) {
+        active_.fetch_add(1);
+        next(t, t * o_.queue_depth + q);
+      }
+    }
+    std::unique_lock lock(mu_);
+    while (!cv_.wait_for(lock, std::chrono::milliseconds(200), [&] { return active_ == 0; })) {
+      if (progress) {
+        double el = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        progress(phase, done_bytes_.load(), total_bytes_, el);
+      }
+    }
+    *seconds = std::chrono::duration<double>(end_ - start).count();
+    if (progress) progress(phase, done_bytes_.load(), total_bytes_, *seconds);
+    if (!error_.is_ok()) return error_;
+    if (bad_sectors_ > 0) {
+      return make_error(ErrorCode::kCorrupt,
+                        "{}: {} sectors read back did not hold what was written", file_.path(),
+                        bad_sectors_.load());
+    }
+    return Status::ok();
+  }
+
+  uint64_t verified_sectors() const { return verified_.load(); }
+
+ private:
+  struct Region {
+    std::vector<uint64_t> order;
+    std::atomic<uint64_t> next{0};
+    Region() = default;
+    Region(Region&& o) noexcept : order(std::move(o.order)), next(o.next.load()) {}
+  };
+
+  // Issues the next block of region t into slot s, or retires the slot.
+  void next(uint32_t t, uint32_t s) {
+    Region& r = regions_[t];
+    uint64_t i = failed_.load() ? r.order.size() : r.next.fetch_add(1);
+    if (i >= r.order.size()) {
+      retire();
+      return;
+    }
+    uint64_t offset = r.order[i] * o_.block_size;
+    std::byte* buf = slots_[s].data();
+    if (write_) stamp_block(buf, o_.block_size, offset, o_.seed);
+    Status st = engine_.submit(
+        IoRequest{.op = write_ ? IoOp::kWrite : IoOp::kRead, .file = &file_, .offset = offset,
+                  .buffer = buf, .length = o_.block_size},
+        [this, t, s, offset, buf](Status result) {
+          if (!result.is_ok()) {
+            fail(std::move(result));
+          } else {
+            if (!write_) {
+              bad_sectors_ += check_block(buf, o_.block_size, offset, o_.seed);
+              verified_ += o_.block_size / kSector;
+            }
+            done_bytes_ += o_.block_size;
+          }
+          next(t, s);
+        });
+    if (!st.is_ok()) {
+      fail(std::move(st));
+      retire();
+    }
+  }
+
+  void fail(Status s) {
+    std::lock_guard lock(mu_);
+    if (error_.is_ok()) error_ = std::move(s);
+    failed_ = true;
+  }
+
+  void retire() {
+    std::lock_guard lock(mu_);
+    if (--active_ == 0) {
+      end_ = std::chrono::steady_clock::now();
+      cv_.notify_all();
+    }
+  }
+
+  IoEngine& engine_;
+  const File& file_;
+  const IoBenchOptions& o_;
+  bool write_;
+  std::vector<AlignedBuffer>& slots_;
+  std::vector<Region> regions_;
+  uint64_t total_bytes_ = 0;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::atomic<uint32_t> active_{0};
+  std::atomic<bool> failed_{false};
+  std::atomic<uint64_t> done_bytes_{0}, verified_{0}, bad_sectors_{0};
+  Status error_;
+  std::chrono::steady_clock::time_point end_;
+};
+
+}  // namespace
+
+const char* pattern_name(BenchPattern p) {
+  switch (p) {
+    case BenchPattern::kRead: return "read";
+    case BenchPattern::kWrite: return "write";
+    case BenchPattern::kRandRead: return "randread";
+    case BenchPattern::kRandWrite: return "randwrite";
+  }
+  return "?";
+}
+
+Result<BenchPattern> parse_pattern(const std::string& s) {
+  for (auto p : {BenchPattern::kRead, BenchPattern::kWrite, BenchPattern::kRandRead,
+                 BenchPattern::kRandWrite}) {
+    if (s == pattern_name(p)) return p;
+  }
+  return make_error(ErrorCode::kInvalidArgument,
+                    "--rw must be read, write, randread or randwrite, got '{}'", s);
+}
+
+Status validate_io_bench(const IoBenchOptions& o) {
+  if (o.block_size == 0) return make_error(ErrorCode::kInvalidArgument, "block size must not be 0");
+  if (o.block_size % kSector != 0) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "block size {} is not a multiple of the {}-byte direct I/O alignment",
+                      o.block_size, kSector);
+  }
+  if (o.block_size > (1ull << 30)) {
+    return make_error(ErrorCode::kInvalidArgument, "block size {} is larger than 1 GiB",
+                      o.block_size);
+  }
+  if (o.size == 0) return make_error(ErrorCode::kInvalidArgument, "size must not be 0");
+  if (o.size % o.block_size != 0) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "size {} is not a multiple of the block size {}", o.size, o.block_size);
+  }
+  if (o.queue_depth == 0 || o.queue_depth > 4096) {
+    return make_error(ErrorCode::kInvalidArgument, "queue depth must be 1..4096, got {}",
+                      o.queue_depth);
+  }
+  if (o.threads == 0 || o.threads > 64) {
+    return make_error(ErrorCode::kInvalidArgument, "threads must be 1..64, got {}", o.threads);
+  }
+  if (o.size / o.block_size < o.threads) {
+    return make_error(ErrorCode::kInvalidArgument, "size {} holds fewer blocks than threads ({})",
+                      o.size, o.threads);
+  }
+  if (o.block_size * o.queue_depth * o.threads > (8ull << 30)) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "block size x queue depth x threads needs more than 8 GiB of buffers");
+  }
+  struct stat st {};
+  if (::stat(o.directory.c_str(), &st) != 0) {
+    return errno_status(errno, fmt::format("path {} is not usable", o.directory));
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    return make_error(ErrorCode::kInvalidArgument, "path {} is not a directory", o.directory);
+  }
+  if (::access(o.directory.c_str(), W_OK | X_OK) != 0) {
+    return errno_status(errno, fmt::format("path {} is not writable", o.directory));
+  }
+  struct statvfs vfs {};
+  if (::statvfs(o.directory.c_str(), &vfs) == 0) {
+    uint64_t avail = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+    if (avail < o.size) {
+      return make_error(ErrorCode::kNoSpace, "path {} has {} free, the benchmark needs {}",
+                        o.directory, format_bytes(static_cast<double>(avail)),
+                        format_bytes(static_cast<double>(o.size)));
+    }
+  }
+  return Status::ok();
+}
+
+Result<IoBenchResult> run_io_bench(const IoBenchOptions& o, const IoBenchProgress& progress) {
+  ZINF_RETURN_IF_ERROR(validate_io_bench(o));
+  IoBenchResult result;
+  result.file = fmt::format("{}/zinf-bench-{}.dat", o.directory, ::getpid());
+  ZINF_ASSIGN_OR_RETURN(File file, File::open(result.file, {.create = true, .exclusive = true}));
+  // Removes the file on every path out of here.
+  struct Remove {
+    std::string path;
+    ~Remove() { ::unlink(path.c_str()); }
+  } remove{result.file};
+  result.direct = file.direct();
+  if (o.block_size % file.offset_alignment() != 0) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "block size {} is not a multiple of the {}-byte alignment of {}",
+                      o.block_size, file.offset_alignment(), result.file);
+  }
+  ZINF_RETURN_IF_ERROR(file.preallocate(0, o.size));
+
+  ZINF_ASSIGN_OR_RETURN(auto engine,
+                        IoEngine::create({.queue_depth = o.queue_depth,
+                                          .block_size = o.block_size,
+                                          .rings = o.threads,
+                                          .fixed_buffers = o.fixed_buffers}));
+  ZINF_RETURN_IF_ERROR(engine->register_file(file));
+  std::vector<AlignedBuffer> slots;
+  std::vector<int> registered;
+  for (uint32_t i = 0; i < o.threads * o.queue_depth; ++i) {
+    slots.emplace_back(o.block_size);
+    if (!slots.back()) {
+      return make_error(ErrorCode::kOutOfMemory, "cannot allocate {} I/O buffers of {} bytes",
+                        o.threads * o.queue_depth, o.block_size);
+    }
+    std::memset(slots.back().data(), 0xa5, o.block_size);
+    if (o.fixed_buffers) {
+      auto slot = engine->register_buffer(slots.back().data(), o.block_size);
+      if (slot.is_ok()) registered.push_back(*slot);
+    }
+  }
+
+  bool write = o.pattern == BenchPattern::kWrite || o.pattern == BenchPattern::kRandWrite;
+  bool random = o.pattern == BenchPattern::kRandRead || o.pattern == BenchPattern::kRandWrite;
+  double seconds = 0;
+  if (!write) {  // lay the file out first (untimed), as fio does
+    Pass layout(*engine, file, o, /*write=*/true, /*random=*/false, slots);
+    ZINF_RETURN_IF_ERROR(layout.run("layout", progress, &seconds));
+  }
+  Pass timed(*engine, file, o, write, random, slots);
+  ZINF_RETURN_IF_ERROR(timed.run(pattern_name(o.pattern), progress, &seconds));
+  result.seconds = seconds;
+  result.verified_sectors = timed.verified_sectors();
+  if (write) {  // read back what was written (untimed)
+    double verify_seconds = 0;
+    Pass verify(*engine, file, o, /*write=*/false, /*random=*/false, slots);
+    ZINF_RETURN_IF_ERROR(verify.run("verify", progress, &verify_seconds));
+    result.verified_sectors = verify.verified_sectors();
+  }
+  engine->drain();
+  for (int slot : registered) (void)engine->unregister_buffer(slot);
+  (void)engine->unregister_file(file);
+  result.bytes = o.size;
+  result.bytes_per_s = seconds > 0 ? static_cast<double>(o.size) / seconds : 0;
+  result.iops = seconds > 0 ? static_cast<double>(o.size / o.block_size) / seconds : 0;
+  return result;
+}
+
+}  // namespace zinf::io
