@@ -1,0 +1,147 @@
+#include "zinf/memory/pinned_pool.h"
+
+#include <sys/mman.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+
+#include "zinf/core/log.h"
+#include "zinf/core/units.h"
+
+namespace zinf {
+
+PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& o) noexcept {
+  if (this != &o) {
+    reset();
+    pool_ = std::exchange(o.pool_, nullptr);
+    data_ = std::exchange(o.data_, nullptr);
+    bytes_ = std::exchange(o.bytes_, 0);
+    category_ = o.category_;
+  }
+  return *this;
+}
+
+void PinnedBuffer::reset() {
+  if (data_ != nullptr) pool_->give_back(data_, bytes_, category_);
+  pool_ = nullptr;
+  data_ = nullptr;
+  bytes_ = 0;
+}
+
+PinnedPool::PinnedPool(const PinnedPoolOptions& options) : options_(options) {
+  stats_.pinned = options.pin;
+}
+
+PinnedPool::~PinnedPool() {
+  std::lock_guard lock(mu_);
+  ZINF_CHECK(live_.empty(), "PinnedPool destroyed with {} buffers still in use", live_.size());
+  for (auto& [size, block] : cache_) destroy(block);
+  if (options_.ledger && stats_.bytes_cached) {
+    options_.ledger->sub(Tier::kHost, MemoryCategory::kBuffers, stats_.bytes_cached);
+  }
+  cache_.clear();
+}
+
+void PinnedPool::destroy(const Block& b) {
+  if (b.io_slot >= 0 && options_.engine) (void)options_.engine->unregister_buffer(b.io_slot);
+  if (b.io_slot >= 0) --stats_.registered;
+  if (b.locked) ::munlock(b.data, b.bytes);
+  std::free(b.data);
+}
+
+bool PinnedPool::make_room(uint64_t needed) {
+  while (stats_.bytes_in_use + stats_.bytes_cached + needed > options_.budget_bytes) {
+    if (cache_.empty()) return false;
+    auto it = std::prev(cache_.end());  // the largest cached block frees the most
+    destroy(it->second);
+    stats_.bytes_cached -= it->first;
+    if (options_.ledger) options_.ledger->sub(Tier::kHost, MemoryCategory::kBuffers, it->first);
+    cache_.erase(it);
+  }
+  return true;
+}
+
+Result<PinnedBuffer> PinnedPool::allocate(uint64_t bytes, MemoryCategory category) {
+  if (bytes == 0) return PinnedBuffer();
+  uint64_t padded = align_up(bytes, 4096);
+  std::lock_guard lock(mu_);
+  if (auto it = cache_.find(padded); it != cache_.end()) {
+    Block b = it->second;
+    cache_.erase(it);
+    stats_.bytes_cached -= padded;
+    stats_.bytes_in_use += padded;
+    ++stats_.reuses;
+    live_.emplace(b.data, b);
+    if (options_.ledger) {
+      options_.ledger->sub(Tier::kHost, MemoryCategory::kBuffers, padded);
+      options_.ledger->add(Tier::kHost, category, padded);
+    }
+    return PinnedBuffer(this, b.data, padded, category);
+  }
+  if (!make_room(padded)) {
+    return make_error(ErrorCode::kOutOfMemory,
+                      "host budget exhausted: {} requested for {} while {} of the {} budget is in "
+                      "use",
+                      format_bytes(static_cast<double>(padded)), category_name(category),
+                      format_bytes(static_cast<double>(stats_.bytes_in_use)),
+                      format_bytes(static_cast<double>(options_.budget_bytes)));
+  }
+  void* data = std::aligned_alloc(4096, padded);
+  if (data == nullptr) {
+    return make_error(ErrorCode::kOutOfMemory, "the system refused {} of host memory",
+                      format_bytes(static_cast<double>(padded)));
+  }
+  Block b{data, padded, false, -1};
+  if (options_.pin && stats_.pinned) {
+    if (::mlock(data, padded) == 0) {
+      b.locked = true;
+    } else {
+      int err = errno;
+      stats_.pinned = false;
+      log::warn_once("pinned-pool:mlock",
+                     fmt::format("cannot pin host memory ({}): using pageable memory; raise "
+                                 "`ulimit -l` or run with CAP_IPC_LOCK for full copy speed",
+                                 std::strerror(err)));
+    }
+  }
+  if (options_.engine) {
+    auto slot = options_.engine->register_buffer(data, padded);
+    if (slot.is_ok()) {
+      b.io_slot = *slot;
+      ++stats_.registered;
+    }
+  }
+  ++stats_.allocations;
+  stats_.bytes_in_use += padded;
+  live_.emplace(data, b);
+  if (options_.ledger) options_.ledger->add(Tier::kHost, category, padded);
+  return PinnedBuffer(this, data, padded, category);
+}
+
+void PinnedPool::give_back(void* data, uint64_t bytes, MemoryCategory category) {
+  std::lock_guard lock(mu_);
+  auto it = live_.find(data);
+  ZINF_CHECK(it != live_.end(), "buffer {} was not allocated by this pool", data);
+  Block b = it->second;
+  live_.erase(it);
+  stats_.bytes_in_use -= bytes;
+  stats_.bytes_cached += bytes;
+  cache_.emplace(bytes, b);
+  if (options_.ledger) {
+    options_.ledger->sub(Tier::kHost, category, bytes);
+    options_.ledger->add(Tier::kHost, MemoryCategory::kBuffers, bytes);
+  }
+}
+
+void PinnedPool::trim() {
+  std::lock_guard lock(mu_);
+  make_room(options_.budget_bytes + 1);  // frees every cached block (cannot succeed)
+}
+
+PinnedPoolStats PinnedPool::stats() const {
+  std::lock_guard lock(mu_);
+  return stats_;
+}
+
+}  // namespace zinf

@@ -1,0 +1,139 @@
+// TieredTensorStore: every tensor (a shard, or a unit's flat buffer) has a home tier, where it
+// always has storage, and may have copies in the tiers above it (device above host above NVMe).
+//
+// Contract
+//  - create() allocates the home storage, zero-filled, valid. The home is never evicted.
+//  - prefetch(id, tier) starts making the tier hold a valid copy and returns at once; errors of a
+//    prefetch are reported by the acquire() that needs it.
+//  - acquire(id, tier) returns a handle whose data() stays valid and resident in `tier` until
+//    the handle is released (destroyed); it waits only for what is still in flight. Several
+//    handles may pin the same copy. A writer calls mark_dirty() on its handle: that copy becomes
+//    the only valid one (the others are stale until refreshed or written back).
+//  - When a tier is over its budget (the Device's budget for kDevice, the PinnedPool's for
+//    kHost) copies that are not pinned are dropped: clean ones first, dirty ones after being
+//    written back to their home; victims are chosen by farthest next use (set_next_use) when
+//    known, least recently used otherwise. Nothing pinned is ever evicted; if everything is,
+//    acquire fails with kOutOfMemory naming the tensor, the tier and the budget.
+//  - Moves: NVMe -> device and device -> NVMe go through pinned staging buffers in pieces of
+//    `staging_bytes`, double-buffered so the NVMe transfer of piece i+1 overlaps the copy of
+//    piece i; host <-> NVMe moves read and write the host copy directly.
+//  - Errors from below (I/O error, no space, no memory) reach the caller of acquire(), evict()
+//    or flush() with the tensor named; the data stays valid in the tier that still holds it.
+//  - Thread-safe. Moves run on `movers` threads owned by the store.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "zinf/core/status.h"
+#include "zinf/io/swap_space.h"
+#include "zinf/memory/accounting.h"
+#include "zinf/memory/device.h"
+#include "zinf/memory/pinned_pool.h"
+
+namespace zinf {
+
+using TensorId = uint32_t;
+
+struct TensorSpec {
+  std::string name;   // appears in every error about this tensor
+  uint64_t bytes = 0;
+  Tier home = Tier::kDevice;
+  MemoryCategory category = MemoryCategory::kParameters;
+};
+
+struct StoreOptions {
+  Device* device = nullptr;         // the kDevice tier (budgeted by the device)
+  PinnedPool* host = nullptr;       // the kHost tier (budgeted by the pool) and staging
+  io::SwapSpace* swap = nullptr;    // the kNvme tier; required for tensors homed there
+  Ledger* ledger = nullptr;         // NVMe bytes are accounted here (device/host by their owners)
+  uint64_t staging_bytes = 4ull << 20;  // piece size of NVMe <-> device moves (multiple of 1 MiB)
+  uint32_t movers = 2;
+};
+
+struct StoreStats {
+  uint64_t moves = 0;               // copies produced
+  uint64_t bytes_to_device = 0;
+  uint64_t bytes_to_host = 0;
+  uint64_t bytes_nvme_read = 0;
+  uint64_t bytes_nvme_written = 0;
+  uint64_t evictions = 0;           // copies dropped to make room
+  uint64_t writebacks = 0;          // dirty copies written to their home
+  uint64_t stale_discards = 0;      // moves whose result was outdated by a write meanwhile
+};
+
+struct Residency {
+  bool allocated[kNumTiers] = {};
+  bool valid[kNumTiers] = {};
+  int pins[kNumTiers] = {};
+};
+
+class TieredTensorStore;
+
+class TensorHandle {
+ public:
+  TensorHandle() = default;
+  TensorHandle(TensorHandle&& o) noexcept { *this = std::move(o); }
+  TensorHandle& operator=(TensorHandle&& o) noexcept;
+  TensorHandle(const TensorHandle&) = delete;
+  TensorHandle& operator=(const TensorHandle&) = delete;
+  ~TensorHandle() { release(); }
+
+  void* data() const { return data_; }
+  uint64_t bytes() const { return bytes_; }   // padded to 4 KiB
+  Tier tier() const { return tier_; }
+  TensorId id() const { return id_; }
+  explicit operator bool() const { return store_ != nullptr; }
+  // The bytes in this copy were (or will be) modified: the other copies are now stale.
+  void mark_dirty();
+  void release();
+
+ private:
+  friend class TieredTensorStore;
+  TieredTensorStore* store_ = nullptr;
+  TensorId id_ = 0;
+  Tier tier_ = Tier::kDevice;
+  void* data_ = nullptr;
+  uint64_t bytes_ = 0;
+};
+
+class TieredTensorStore {
+ public:
+  static Result<std::unique_ptr<TieredTensorStore>> create(const StoreOptions& options);
+  ~TieredTensorStore();
+  TieredTensorStore(const TieredTensorStore&) = delete;
+  TieredTensorStore& operator=(const TieredTensorStore&) = delete;
+
+  Result<TensorId> create_tensor(const TensorSpec& spec);
+  // The tensor must not be pinned. Frees every copy.
+  Status destroy_tensor(TensorId id);
+
+  void prefetch(TensorId id, Tier tier);
+  Result<TensorHandle> acquire(TensorId id, Tier tier);
+  // Drops the copy in `tier` (not the home), writing it back first when it is the only valid one.
+  Status evict(TensorId id, Tier tier);
+  // Makes the home copy valid (writes back a dirty copy). flush_all() does every tensor.
+  Status flush(TensorId id);
+  Status flush_all();
+  // Scheduling hint: the tick at which the tensor will next be used (larger = later).
+  void set_next_use(TensorId id, uint64_t tick);
+
+  const TensorSpec& spec(TensorId id) const;
+  uint64_t padded_bytes(TensorId id) const;
+  Residency residency(TensorId id) const;
+  StoreStats stats() const;
+  size_t tensor_count() const;
+
+  struct Impl;
+
+ private:
+  friend class TensorHandle;
+  explicit TieredTensorStore(std::unique_ptr<Impl> impl);
+  void unpin(TensorId id, Tier tier);
+  void dirty(TensorId id, Tier tier);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace zinf

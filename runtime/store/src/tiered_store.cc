@@ -1,0 +1,758 @@
+#include "zinf/store/tiered_store.h"
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <future>
+#include <limits>
+#include <mutex>
+#include <thread>
+
+#include "zinf/core/log.h"
+#include "zinf/core/units.h"
+
+namespace zinf {
+namespace {
+
+constexpr uint64_t kUnknownUse = std::numeric_limits<uint64_t>::max();
+
+struct Job {
+  bool done = false;
+  Status status;
+};
+
+struct Copy {
+  bool allocated = false;
+  bool valid = false;
+  bool writing_back = false;   // this copy is being written to its home
+  int pins = 0;
+  DeviceBuffer dev;
+  PinnedBuffer host;
+  void* ptr = nullptr;         // device or host data; null for NVMe
+  std::shared_ptr<Job> incoming;  // a move filling this copy
+  uint64_t last_use = 0;
+};
+
+struct Tensor {
+  TensorSpec spec;
+  uint64_t padded = 0;
+  uint64_t version = 0;   // bumped by every mark_dirty: moves started before it are stale
+  io::ExtentId extent = 0;
+  Copy copies[kNumTiers];
+  uint64_t next_use = kUnknownUse;
+};
+
+// A staging pair and a copy stream: what one transfer needs.
+struct Lane {
+  PinnedBuffer staging[2];
+  std::unique_ptr<Stream> stream;
+};
+
+int idx(Tier t) { return static_cast<int>(t); }
+
+}  // namespace
+
+struct TieredTensorStore::Impl {
+  StoreOptions o;
+  mutable std::mutex mu;
+  std::condition_variable cv;
+  std::vector<std::unique_ptr<Tensor>> tensors;  // index: TensorId; null once destroyed
+  uint64_t clock = 0;
+  StoreStats stats;
+
+  // Mover threads.
+  std::deque<std::function<void()>> jobs;
+  std::condition_variable jobs_cv;
+  bool stopping = false;
+  std::vector<std::thread> movers;
+
+  // Transfer lanes.
+  std::mutex lanes_mu;
+  std::condition_variable lanes_cv;
+  std::vector<std::unique_ptr<Lane>> lanes;
+  std::vector<Lane*> free_lanes;
+
+  explicit Impl(const StoreOptions& options) : o(options) {}
+
+  Tensor* get(TensorId id) const {
+    return id < tensors.size() ? tensors[id].get() : nullptr;
+  }
+
+  // ---- lanes ---------------------------------------------------------------------------------
+  Lane* take_lane() {
+    std::unique_lock lock(lanes_mu);
+    lanes_cv.wait(lock, [&] { return !free_lanes.empty(); });
+    Lane* l = free_lanes.back();
+    free_lanes.pop_back();
+    return l;
+  }
+  void give_lane(Lane* l) {
+    {
+      std::lock_guard lock(lanes_mu);
+      free_lanes.push_back(l);
+    }
+    lanes_cv.notify_one();
+  }
+
+  // ---- data movement (no store lock held) ----------------------------------------------------
+  struct Endpoint {
+    Tier tier;
+    void* ptr;            // device/host memory
+    io::ExtentId extent;  // NVMe
+  };
+
+  Status transfer(const Endpoint& src, const Endpoint& dst, uint64_t bytes) {
+    if (src.tier != Tier::kNvme && dst.tier != Tier::kNvme) {
+      Lane* lane = take_lane();
+      o.device->copy_async(dst.ptr, src.ptr, bytes, *lane->stream);
+      Status s = lane->stream->record().wait();
+      if (!s.is_ok()) (void)lane->stream->synchronize();
+      give_lane(lane);
+      return s;
+    }
+    if (src.tier == Tier::kHost) return o.swap->write(dst.extent, src.ptr);
+    if (dst.tier == Tier::kHost) return o.swap->read(src.extent, dst.ptr);
+    Lane* lane = take_lane();
+    Status s = src.tier == Tier::kNvme ? nvme_to_device(*lane, src.extent, dst.ptr, bytes)
+                                       : device_to_nvme(*lane, src.ptr, dst.extent, bytes);
+    give_lane(lane);
+    return s;
+  }
+
+  // Double-buffered: the read of piece i+1 overlaps the copy of piece i to the device.
+  Status nvme_to_device(Lane& lane, io::ExtentId extent, void* dst, uint64_t bytes) {
+    const uint64_t piece = o.staging_bytes;
+    const uint64_t n = (bytes + piece - 1) / piece;
+    std::vector<std::future<Status>> reads(n);
+    std::vector<Event> copied(n);
+    auto start_read = [&](uint64_t i) {
+      auto p = std::make_shared<std::promise<Status>>();
+      reads[i] = p->get_future();
+      uint64_t len = std::min(piece, bytes - i * piece);
+      Status s = o.swap->read_range_async(extent, i * piece, len, lane.staging[i % 2].data(),
+                                          [p](Status st) { p->set_value(std::move(st)); });
+      if (!s.is_ok()) p->set_value(std::move(s));
+    };
+    start_read(0);
+    Status first_error;
+    uint64_t i = 0;
+    for (; i < n; ++i) {
+      Status r = reads[i].get();
+      if (!r.is_ok()) {
+        first_error = std::move(r);
+        break;
+      }
+      if (i + 1 < n) {
+        if (i >= 1) {  // the buffer piece i+1 lands in was last copied out by piece i-1
+          Status c = copied[i - 1].wait();
+          if (!c.is_ok()) {
+            first_error = std::move(c);
+            break;
+          }
+        }
+        start_read(i + 1);
+      }
+      uint64_t len = std::min(piece, bytes - i * piece);
+      o.device->copy_async(static_cast<char*>(dst) + i * piece, lane.staging[i % 2].data(), len,
+                           *lane.stream);
+      copied[i] = lane.stream->record();
+    }
+    // Nothing may still write into the staging buffers when we return.
+    if (i + 1 < n && i < n && reads[i + 1].valid()) (void)reads[i + 1].get();
+    Status tail = lane.stream->synchronize();
+    if (first_error.is_ok()) first_error = std::move(tail);
+    return first_error;
+  }
+
+  // Double-buffered: the copy of piece i+1 out of the device overlaps the write of piece i.
+  Status device_to_nvme(Lane& lane, const void* src, io::ExtentId extent, uint64_t bytes) {
+    const uint64_t piece = o.staging_bytes;
+    const uint64_t n = (bytes + piece - 1) / piece;
+    std::vector<std::future<Status>> writes(n);
+    auto copy_out = [&](uint64_t i) {
+      uint64_t len = std::min(piece, bytes - i * piece);
+      o.device->copy_async(lane.staging[i % 2].data(), static_cast<const char*>(src) + i * piece,
+                           len, *lane.stream);
+      return lane.stream->record();
+    };
+    Status first_error;
+    Event ready = copy_out(0);
+    for (uint64_t i = 0; i < n; ++i) {
+      Status c = ready.wait();
+      if (!c.is_ok()) {
+        first_error = std::move(c);
+        break;
+      }
+      if (i + 1 < n) {
+        if (i >= 1) {  // piece i+1 reuses the buffer piece i-1 is being written from
+          Status w = writes[i - 1].get();
+          if (!w.is_ok()) {
+            first_error = std::move(w);
+            break;
+          }
+        }
+        ready = copy_out(i + 1);
+      }
+      auto p = std::make_shared<std::promise<Status>>();
+      writes[i] = p->get_future();
+      uint64_t len = std::min(piece, bytes - i * piece);
+      Status s = o.swap->write_range_async(extent, i * piece, len, lane.staging[i % 2].data(),
+                                           [p](Status st) { p->set_value(std::move(st)); });
+      if (!s.is_ok()) p->set_value(std::move(s));
+    }
+    for (auto& w : writes) {
+      if (!w.valid()) continue;
+      Status s = w.get();
+      if (first_error.is_ok() && !s.is_ok()) first_error = std::move(s);
+    }
+    Status tail = lane.stream->synchronize();
+    if (first_error.is_ok()) first_error = std::move(tail);
+    return first_error;
+  }
+
+  Endpoint endpoint(const Tensor& t, Tier tier) const {
+    return Endpoint{tier, t.copies[idx(tier)].ptr, t.extent};
+  }
+
+  // ---- copies (store lock held) ---------------------------------------------------------------
+  static bool only_valid_copy(const Tensor& t, Tier tier) {
+    for (int k = 0; k < kNumTiers; ++k) {
+      if (k != idx(tier) && t.copies[k].valid) return false;
+    }
+    return t.copies[idx(tier)].valid;
+  }
+
+  void free_copy(Tensor& t, Tier tier) {
+    Copy& c = t.copies[idx(tier)];
+    c.dev.reset();
+    c.host.reset();
+    c.ptr = nullptr;
+    c.allocated = false;
+    c.valid = false;
+  }
+
+  Status allocate_storage(Tensor& t, Tier tier) {
+    Copy& c = t.copies[idx(tier)];
+    if (tier == Tier::kDevice) {
+      if (o.device == nullptr) {
+        return make_error(ErrorCode::kInvalidArgument, "the store has no device tier");
+      }
+      ZINF_ASSIGN_OR_RETURN(c.dev, o.device->allocate(t.padded, t.spec.category));
+      c.ptr = c.dev.data();
+    } else if (tier == Tier::kHost) {
+      if (o.host == nullptr) {
+        return make_error(ErrorCode::kInvalidArgument, "the store has no host tier");
+      }
+      ZINF_ASSIGN_OR_RETURN(c.host, o.host->allocate(t.padded, t.spec.category));
+      c.ptr = c.host.data();
+    } else {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "NVMe holds only tensors homed there (tensor {})", t.spec.name);
+    }
+    c.allocated = true;
+    return Status::ok();
+  }
+
+  // Picks the copy in `tier` to drop: clean before dirty, then farthest next use, then least
+  // recently used. Returns the tensor id or -1.
+  int64_t pick_victim(Tier tier) const {
+    int64_t best = -1;
+    std::tuple<bool, uint64_t, uint64_t> best_key;
+    for (size_t id = 0; id < tensors.size(); ++id) {
+      const Tensor* t = tensors[id].get();
+      if (t == nullptr || t->spec.home == tier) continue;
+      const Copy& c = t->copies[idx(tier)];
+      if (!c.allocated || c.pins > 0 || c.incoming || c.writing_back) continue;
+      bool dirty = only_valid_copy(*t, tier);
+      // Smaller key = better victim.
+      auto key = std::make_tuple(dirty, kUnknownUse - t->next_use, c.last_use);
+      if (best < 0 || key < best_key) {
+        best = static_cast<int64_t>(id);
+        best_key = key;
+      }
+    }
+    return best;
+  }
+
+  // Writes the valid copy in `tier` back to the (stale) home. Unlocks while the data moves.
+  Status write_back(std::unique_lock<std::mutex>& lk, TensorId id, Tier tier) {
+    Tensor* t = get(id);
+    Copy& c = t->copies[idx(tier)];
+    Copy& home = t->copies[idx(t->spec.home)];
+    // One write-back at a time per tensor.
+    cv.wait(lk, [&] { return !c.writing_back && !home.incoming; });
+    if (home.valid || !c.valid) return Status::ok();  // nothing (left) to write back
+    c.writing_back = true;
+    ++c.pins;
+    uint64_t version = t->version;
+    Endpoint src = endpoint(*t, tier), dst = endpoint(*t, t->spec.home);
+    auto job = std::make_shared<Job>();
+    home.incoming = job;
+    lk.unlock();
+    Status s = transfer(src, dst, t->padded);
+    lk.lock();
+    home.incoming.reset();
+    job->status = s;
+    job->done = true;  // an acquire of the home may be waiting on this write-back
+    --c.pins;
+    c.writing_back = false;
+    if (s.is_ok()) {
+      ++stats.writebacks;
+      count_bytes(tier, t->spec.home, t->padded);
+      if (t->version == version) home.valid = true;
+    }
+    cv.notify_all();
+    if (!s.is_ok()) {
+      return std::move(s).with_context(fmt::format("writing tensor {} back from {} to {}",
+                                                   t->spec.name, tier_name(tier),
+                                                   tier_name(t->spec.home)));
+    }
+    return Status::ok();
+  }
+
+  // Drops a victim's copy (written back first when dirty). Unlocks while writing back.
+  Status drop(std::unique_lock<std::mutex>& lk, TensorId id, Tier tier) {
+    Tensor* t = get(id);
+    if (only_valid_copy(*t, tier)) ZINF_RETURN_IF_ERROR(write_back(lk, id, tier));
+    t = get(id);
+    if (t == nullptr) return Status::ok();
+    Copy& c = t->copies[idx(tier)];
+    if (!c.allocated || c.pins > 0 || c.incoming || c.writing_back || only_valid_copy(*t, tier)) {
+      return Status::ok();  // it became busy meanwhile: the caller looks again
+    }
+    free_copy(*t, tier);
+    ++stats.evictions;
+    return Status::ok();
+  }
+
+  // Gives tensor `id` storage in `tier`, evicting others under the budget. Unlocks while
+  // writing victims back.
+  Status make_copy_storage(std::unique_lock<std::mutex>& lk, TensorId id, Tier tier) {
+    while (true) {
+      Tensor* t = get(id);
+      Status s = allocate_storage(*t, tier);
+      if (s.is_ok() || s.code() != ErrorCode::kOutOfMemory) {
+        return s.is_ok() ? s : std::move(s).with_context("tensor " + t->spec.name);
+      }
+      int64_t victim = pick_victim(tier);
+      if (victim < 0) {
+        return std::move(s).with_context(fmt::format(
+            "tensor {} ({}) does not fit in the {} tier and every resident copy is in use",
+            t->spec.name, format_bytes(static_cast<double>(t->padded)), tier_name(tier)));
+      }
+      ZINF_RETURN_IF_ERROR(drop(lk, static_cast<TensorId>(victim), tier));
+    }
+  }
+
+  void count_bytes(Tier from, Tier to, uint64_t bytes) {
+    if (to == Tier::kDevice) stats.bytes_to_device += bytes;
+    if (to == Tier::kHost) stats.bytes_to_host += bytes;
+    if (from == Tier::kNvme) stats.bytes_nvme_read += bytes;
+    if (to == Tier::kNvme) stats.bytes_nvme_written += bytes;
+  }
+
+  // Makes tensor `id`'s copy in `dst` valid. Runs on a mover thread with the lock held; unlocks
+  // while data moves.
+  Status move(std::unique_lock<std::mutex>& lk, TensorId id, Tier dst) {
+    Tensor* t = get(id);
+    if (!t->copies[idx(dst)].allocated) ZINF_RETURN_IF_ERROR(make_copy_storage(lk, id, dst));
+    t = get(id);
+    Copy& d = t->copies[idx(dst)];
+    if (d.valid) return Status::ok();
+    // The nearest valid source.
+    static constexpr Tier kOrder[kNumTiers][2] = {{Tier::kHost, Tier::kNvme},
+                                                  {Tier::kDevice, Tier::kNvme},
+                                                  {Tier::kHost, Tier::kDevice}};
+    Tier src = kOrder[idx(dst)][0];
+    if (!t->copies[idx(src)].valid) src = kOrder[idx(dst)][1];
+    Copy& sc = t->copies[idx(src)];
+    ZINF_CHECK(sc.valid, "tensor {} has no valid copy", t->spec.name);
+    ++sc.pins;
+    uint64_t version = t->version;
+    Endpoint from = endpoint(*t, src), to = endpoint(*t, dst);
+    lk.unlock();
+    Status s = transfer(from, to, t->padded);
+    lk.lock();
+    --sc.pins;
+    if (!s.is_ok()) {
+      if (dst != t->spec.home) free_copy(*t, dst);
+      return std::move(s).with_context(fmt::format("moving tensor {} from {} to {}", t->spec.name,
+                                                   tier_name(src), tier_name(dst)));
+    }
+    count_bytes(src, dst, t->padded);
+    ++stats.moves;
+    if (t->version != version) {
+      ++stats.stale_discards;  // written meanwhile: the acquire that needs it moves again
+      return Status::ok();
+    }
+    d.valid = true;
+    return Status::ok();
+  }
+
+  // Starts a move into `tier` unless the copy is valid or already coming. Lock held.
+  std::shared_ptr<Job> start_move(TensorId id, Tier tier) {
+    Copy& c = tensors[id]->copies[idx(tier)];
+    if (c.incoming) return c.incoming;
+    if (c.valid) return nullptr;
+    auto job = std::make_shared<Job>();
+    c.incoming = job;
+    {
+      std::lock_guard jl(jobs_mu);
+      jobs.push_back([this, id, tier, job] {
+        std::unique_lock lk(mu);
+        Status s = move(lk, id, tier);
+        if (Tensor* t = get(id); t && t->copies[idx(tier)].incoming == job) {
+          t->copies[idx(tier)].incoming.reset();
+        }
+        job->status = std::move(s);
+        job->done = true;
+        cv.notify_all();
+      });
+    }
+    jobs_cv.notify_one();
+    return job;
+  }
+
+  std::mutex jobs_mu;
+
+  void mover_loop() {
+    while (true) {
+      std::function<void()> work;
+      {
+        std::unique_lock lock(jobs_mu);
+        jobs_cv.wait(lock, [&] { return stopping || !jobs.empty(); });
+        if (jobs.empty()) return;
+        work = std::move(jobs.front());
+        jobs.pop_front();
+      }
+      work();
+    }
+  }
+};
+
+// ---- TensorHandle -------------------------------------------------------------------------------
+
+TensorHandle& TensorHandle::operator=(TensorHandle&& o) noexcept {
+  if (this != &o) {
+    release();
+    store_ = std::exchange(o.store_, nullptr);
+    id_ = o.id_;
+    tier_ = o.tier_;
+    data_ = std::exchange(o.data_, nullptr);
+    bytes_ = o.bytes_;
+  }
+  return *this;
+}
+
+void TensorHandle::mark_dirty() {
+  ZINF_CHECK(store_ != nullptr, "mark_dirty on an empty handle");
+  store_->dirty(id_, tier_);
+}
+
+void TensorHandle::release() {
+  if (store_ != nullptr) store_->unpin(id_, tier_);
+  store_ = nullptr;
+  data_ = nullptr;
+}
+
+// ---- TieredTensorStore --------------------------------------------------------------------------
+
+TieredTensorStore::TieredTensorStore(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Result<std::unique_ptr<TieredTensorStore>> TieredTensorStore::create(const StoreOptions& options) {
+  if (options.movers == 0 || options.movers > 64) {
+    return make_error(ErrorCode::kInvalidArgument, "movers must be 1..64, got {}", options.movers);
+  }
+  if (options.staging_bytes == 0 || options.staging_bytes % io::SwapSpace::kChecksumBlock != 0) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "staging size must be a positive multiple of 1 MiB, got {}",
+                      options.staging_bytes);
+  }
+  auto impl = std::make_unique<Impl>(options);
+  if (options.device != nullptr) {
+    // One lane per mover plus one for callers that flush or evict on their own thread.
+    for (uint32_t i = 0; i <= options.movers; ++i) {
+      auto lane = std::make_unique<Lane>();
+      lane->stream = options.device->create_stream(fmt::format("store-copy-{}", i));
+      if (options.swap != nullptr) {
+        if (options.host == nullptr) {
+          return make_error(ErrorCode::kInvalidArgument,
+                            "NVMe <-> device moves need a pinned host pool for staging");
+        }
+        for (auto& buf : lane->staging) {
+          auto b = options.host->allocate(options.staging_bytes, MemoryCategory::kBuffers);
+          if (!b.is_ok()) {
+            return std::move(b).take_status().with_context("allocating staging buffers");
+          }
+          buf = std::move(b).value();
+        }
+      }
+      impl->free_lanes.push_back(lane.get());
+      impl->lanes.push_back(std::move(lane));
+    }
+  }
+  Impl* raw = impl.get();
+  for (uint32_t i = 0; i < options.movers; ++i) {
+    impl->movers.emplace_back([raw] { raw->mover_loop(); });
+  }
+  return std::unique_ptr<TieredTensorStore>(new TieredTensorStore(std::move(impl)));
+}
+
+TieredTensorStore::~TieredTensorStore() {
+  Impl& s = *impl_;
+  {
+    std::lock_guard lock(s.jobs_mu);
+    s.stopping = true;
+  }
+  s.jobs_cv.notify_all();
+  for (auto& t : s.movers) t.join();
+  std::lock_guard lock(s.mu);
+  for (size_t id = 0; id < s.tensors.size(); ++id) {
+    Tensor* t = s.tensors[id].get();
+    if (t == nullptr) continue;
+    for (int k = 0; k < kNumTiers; ++k) {
+      ZINF_CHECK(t->copies[k].pins == 0, "store destroyed while tensor {} is pinned",
+                 t->spec.name);
+      s.free_copy(*t, static_cast<Tier>(k));
+    }
+    if (t->extent) {
+      (void)s.o.swap->free(t->extent);
+      if (s.o.ledger) s.o.ledger->sub(Tier::kNvme, t->spec.category, t->padded);
+    }
+  }
+  s.tensors.clear();
+  s.lanes.clear();
+}
+
+Result<TensorId> TieredTensorStore::create_tensor(const TensorSpec& spec) {
+  Impl& s = *impl_;
+  if (spec.bytes == 0) {
+    return make_error(ErrorCode::kInvalidArgument, "tensor {} has no bytes", spec.name);
+  }
+  auto t = std::make_unique<Tensor>();
+  t->spec = spec;
+  t->padded = align_up(spec.bytes, 4096);
+  if (spec.home == Tier::kNvme) {
+    // The extent is allocated and zero-filled before the tensor becomes visible.
+    if (s.o.swap == nullptr || s.o.host == nullptr) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "tensor {} is homed on NVMe but the store has no swap space or host pool",
+                        spec.name);
+    }
+    ZINF_ASSIGN_OR_RETURN(t->extent, s.o.swap->allocate(t->padded, spec.name));
+    Status zs;
+    {
+      auto zeros = s.o.host->allocate(std::min<uint64_t>(t->padded, s.o.staging_bytes),
+                                      MemoryCategory::kBuffers);
+      if (!zeros.is_ok()) {
+        zs = zeros.status();
+      } else {
+        std::memset(zeros->data(), 0, zeros->bytes());
+        for (uint64_t off = 0; off < t->padded && zs.is_ok(); off += zeros->bytes()) {
+          zs = s.o.swap->write_range(t->extent, off, std::min(zeros->bytes(), t->padded - off),
+                                     zeros->data());
+        }
+      }
+    }
+    if (!zs.is_ok()) {
+      (void)s.o.swap->free(t->extent);
+      return std::move(zs).with_context("initialising tensor " + spec.name + " on NVMe");
+    }
+    if (s.o.ledger) s.o.ledger->add(Tier::kNvme, spec.category, t->padded);
+    t->copies[idx(Tier::kNvme)].allocated = true;
+    t->copies[idx(Tier::kNvme)].valid = true;
+    std::lock_guard lk(s.mu);
+    s.tensors.push_back(std::move(t));
+    return static_cast<TensorId>(s.tensors.size() - 1);
+  }
+  // The home copy is placed like any copy (evicting others' cached copies if needed).
+  std::unique_lock lk(s.mu);
+  TensorId id = static_cast<TensorId>(s.tensors.size());
+  s.tensors.push_back(std::move(t));
+  Status st = s.make_copy_storage(lk, id, spec.home);
+  if (!st.is_ok()) {
+    s.tensors[id].reset();
+    return st;
+  }
+  Tensor* placed = s.get(id);
+  std::memset(placed->copies[idx(spec.home)].ptr, 0, placed->padded);
+  placed->copies[idx(spec.home)].valid = true;
+  return id;
+}
+
+Status TieredTensorStore::destroy_tensor(TensorId id) {
+  Impl& s = *impl_;
+  std::unique_lock lk(s.mu);
+  Tensor* t = s.get(id);
+  if (t == nullptr) return make_error(ErrorCode::kNotFound, "tensor {} does not exist", id);
+  for (int k = 0; k < kNumTiers; ++k) {
+    const Copy& c = t->copies[k];
+    if (c.pins > 0 || c.incoming || c.writing_back) {
+      return make_error(ErrorCode::kInvalidArgument, "tensor {} is in use and cannot be destroyed",
+                        t->spec.name);
+    }
+  }
+  for (int k = 0; k < kNumTiers; ++k) s.free_copy(*t, static_cast<Tier>(k));
+  if (t->extent) {
+    (void)s.o.swap->free(t->extent);
+    if (s.o.ledger) s.o.ledger->sub(Tier::kNvme, t->spec.category, t->padded);
+  }
+  s.tensors[id].reset();
+  return Status::ok();
+}
+
+void TieredTensorStore::prefetch(TensorId id, Tier tier) {
+  Impl& s = *impl_;
+  if (tier == Tier::kNvme) return;
+  std::lock_guard lk(s.mu);
+  if (s.get(id) == nullptr) return;
+  s.start_move(id, tier);
+}
+
+Result<TensorHandle> TieredTensorStore::acquire(TensorId id, Tier tier) {
+  Impl& s = *impl_;
+  std::unique_lock lk(s.mu);
+  if (s.get(id) == nullptr) return make_error(ErrorCode::kNotFound, "tensor {} does not exist", id);
+  if (tier == Tier::kNvme) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "tensor {}: acquire() gives memory on the device or host tier, not NVMe",
+                      s.get(id)->spec.name);
+  }
+  while (true) {
+    Tensor* t = s.get(id);
+    Copy& c = t->copies[idx(tier)];
+    if (c.valid && !c.incoming) {
+      ++c.pins;
+      c.last_use = ++s.clock;
+      TensorHandle h;
+      h.store_ = this;
+      h.id_ = id;
+      h.tier_ = tier;
+      h.data_ = c.ptr;
+      h.bytes_ = t->padded;
+      return h;
+    }
+    std::shared_ptr<Job> job = s.start_move(id, tier);
+    if (!job) continue;
+    s.cv.wait(lk, [&] { return job->done; });
+    if (!job->status.is_ok()) return job->status;
+  }
+}
+
+Status TieredTensorStore::evict(TensorId id, Tier tier) {
+  Impl& s = *impl_;
+  std::unique_lock lk(s.mu);
+  Tensor* t = s.get(id);
+  if (t == nullptr) return make_error(ErrorCode::kNotFound, "tensor {} does not exist", id);
+  if (tier == t->spec.home) {
+    return make_error(ErrorCode::kInvalidArgument, "tensor {}: its home ({}) cannot be evicted",
+                      t->spec.name, tier_name(tier));
+  }
+  while (true) {
+    t = s.get(id);
+    Copy& c = t->copies[idx(tier)];
+    if (!c.allocated) return Status::ok();
+    if (c.pins > 0) {
+      return make_error(ErrorCode::kInvalidArgument, "tensor {} is pinned on the {} tier",
+                        t->spec.name, tier_name(tier));
+    }
+    if (c.incoming || c.writing_back) {
+      auto job = c.incoming;
+      s.cv.wait(lk, [&] { return !c.writing_back && (!job || job->done); });
+      continue;
+    }
+    ZINF_RETURN_IF_ERROR(s.drop(lk, id, tier));
+  }
+}
+
+Status TieredTensorStore::flush(TensorId id) {
+  Impl& s = *impl_;
+  std::unique_lock lk(s.mu);
+  Tensor* t = s.get(id);
+  if (t == nullptr) return make_error(ErrorCode::kNotFound, "tensor {} does not exist", id);
+  while (!t->copies[idx(t->spec.home)].valid) {
+    Tier from = t->copies[idx(Tier::kHost)].valid ? Tier::kHost : Tier::kDevice;
+    ZINF_RETURN_IF_ERROR(s.write_back(lk, id, from));
+    t = s.get(id);
+  }
+  return Status::ok();
+}
+
+Status TieredTensorStore::flush_all() {
+  size_t n = tensor_count();
+  for (TensorId id = 0; id < n; ++id) {
+    {
+      std::lock_guard lk(impl_->mu);
+      if (impl_->get(id) == nullptr) continue;
+    }
+    ZINF_RETURN_IF_ERROR(flush(id));
+  }
+  return Status::ok();
+}
+
+void TieredTensorStore::set_next_use(TensorId id, uint64_t tick) {
+  std::lock_guard lk(impl_->mu);
+  if (Tensor* t = impl_->get(id)) t->next_use = tick;
+}
+
+const TensorSpec& TieredTensorStore::spec(TensorId id) const {
+  std::lock_guard lk(impl_->mu);
+  Tensor* t = impl_->get(id);
+  ZINF_CHECK(t != nullptr, "tensor {} does not exist", id);
+  return t->spec;
+}
+
+uint64_t TieredTensorStore::padded_bytes(TensorId id) const {
+  std::lock_guard lk(impl_->mu);
+  Tensor* t = impl_->get(id);
+  return t ? t->padded : 0;
+}
+
+Residency TieredTensorStore::residency(TensorId id) const {
+  std::lock_guard lk(impl_->mu);
+  Residency r;
+  if (Tensor* t = impl_->get(id)) {
+    for (int k = 0; k < kNumTiers; ++k) {
+      r.allocated[k] = t->copies[k].allocated;
+      r.valid[k] = t->copies[k].valid;
+      r.pins[k] = t->copies[k].pins;
+    }
+  }
+  return r;
+}
+
+StoreStats TieredTensorStore::stats() const {
+  std::lock_guard lk(impl_->mu);
+  return impl_->stats;
+}
+
+size_t TieredTensorStore::tensor_count() const {
+  std::lock_guard lk(impl_->mu);
+  return impl_->tensors.size();
+}
+
+void TieredTensorStore::unpin(TensorId id, Tier tier) {
+  Impl& s = *impl_;
+  std::lock_guard lk(s.mu);
+  Tensor* t = s.get(id);
+  ZINF_CHECK(t != nullptr && t->copies[idx(tier)].pins > 0, "unbalanced release of tensor {}", id);
+  --t->copies[idx(tier)].pins;
+  t->copies[idx(tier)].last_use = ++s.clock;
+  s.cv.notify_all();
+}
+
+void TieredTensorStore::dirty(TensorId id, Tier tier) {
+  Impl& s = *impl_;
+  std::lock_guard lk(s.mu);
+  Tensor* t = s.get(id);
+  ZINF_CHECK(t != nullptr && t->copies[idx(tier)].pins > 0, "mark_dirty of unpinned tensor {}",
+             id);
+  ++t->version;
+  for (int k = 0; k < kNumTiers; ++k) {
+    if (k != idx(tier)) t->copies[k].valid = false;
+  }
+  t->copies[idx(tier)].valid = true;
+}
+
+}  // namespace zinf

@@ -1,0 +1,104 @@
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstring>
+#include <thread>
+
+#include "zinf/memory/device.h"
+#include "zinf/memory/pinned_pool.h"
+
+namespace zinf {
+namespace {
+
+TEST(CpuDevice, BudgetIsEnforcedAndAccounted) {
+  Ledger ledger;
+  auto dev = make_cpu_device({.budget_bytes = 1 << 20, .ledger = &ledger});
+  auto a = dev->allocate(600 << 10, MemoryCategory::kParameters);
+  ASSERT_TRUE(a.is_ok());
+  auto b = dev->allocate(600 << 10, MemoryCategory::kGradients);
+  ASSERT_FALSE(b.is_ok());
+  EXPECT_EQ(b.status().code(), ErrorCode::kOutOfMemory);
+  EXPECT_NE(b.status().message().find("gradients"), std::string::npos) << b.status().message();
+  EXPECT_NE(b.status().message().find("1.00 MiB budget"), std::string::npos)
+      << b.status().message();
+  EXPECT_EQ(ledger.usage(Tier::kDevice).current, 600u << 10);
+  a->reset();
+  EXPECT_EQ(ledger.usage(Tier::kDevice).current, 0u);
+  EXPECT_EQ(ledger.usage(Tier::kDevice).peak, 600u << 10);
+  EXPECT_EQ(dev->bytes_in_use(), 0u);
+}
+
+TEST(CpuDevice, StreamRunsInOrderAndEventsWait) {
+  auto dev = make_cpu_device({});
+  auto s1 = dev->create_stream("a");
+  auto s2 = dev->create_stream("b");
+  std::vector<int> order;
+  std::mutex mu;
+  std::atomic<bool> gate{false};
+  s1->enqueue([&] {
+    while (!gate) std::this_thread::yield();
+    std::lock_guard l(mu);
+    order.push_back(1);
+    return Status::ok();
+  });
+  Event e1 = s1->record();
+  s2->wait_for(e1);  // s2's next work waits for s1, without blocking this thread
+  s2->enqueue([&] {
+    std::lock_guard l(mu);
+    order.push_back(2);
+    return Status::ok();
+  });
+  Event e2 = s2->record();
+  EXPECT_FALSE(e2.ready());
+  gate = true;
+  EXPECT_TRUE(e2.wait().is_ok());
+  EXPECT_EQ(order, (std::vector<int>{1, 2}));
+
+  std::vector<char> src(1 << 20, 'x'), dst(1 << 20, 0);
+  dev->copy_async(dst.data(), src.data(), src.size(), *s1);
+  EXPECT_TRUE(s1->record().wait().is_ok());
+  EXPECT_EQ(src, dst);
+}
+
+TEST(CpuDevice, StreamErrorsAreStickyUntilSynchronize) {
+  auto dev = make_cpu_device({});
+  auto s = dev->create_stream("err");
+  s->enqueue([] { return Status(ErrorCode::kIo, "boom"); });
+  Event e = s->record();
+  Status st = e.wait();
+  EXPECT_EQ(st.code(), ErrorCode::kIo);
+  EXPECT_NE(st.message().find("stream err"), std::string::npos);
+  EXPECT_FALSE(s->synchronize().is_ok());
+  EXPECT_TRUE(s->synchronize().is_ok());
+}
+
+TEST(PinnedPool, ReusesBuffersAndHonoursBudget) {
+  Ledger ledger;
+  PinnedPool pool({.budget_bytes = 1 << 20, .ledger = &ledger});
+  void* first;
+  {
+    auto a = pool.allocate(300 << 10, MemoryCategory::kOptimizerStates);
+    ASSERT_TRUE(a.is_ok());
+    first = a->data();
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(first) % 4096, 0u);
+    EXPECT_EQ(ledger.usage(Tier::kHost).current_by_category[2], 300u << 10);
+  }
+  auto b = pool.allocate(300 << 10, MemoryCategory::kGradients);
+  ASSERT_TRUE(b.is_ok());
+  EXPECT_EQ(b->data(), first);  // same size: reused
+  EXPECT_EQ(pool.stats().reuses, 1u);
+  auto c = pool.allocate(600 << 10, MemoryCategory::kGradients);
+  ASSERT_TRUE(c.is_ok());
+  auto d = pool.allocate(200 << 10, MemoryCategory::kGradients);
+  ASSERT_FALSE(d.is_ok());
+  EXPECT_EQ(d.status().code(), ErrorCode::kOutOfMemory);
+  EXPECT_LE(ledger.usage(Tier::kHost).peak, 1u << 20);
+  c->reset();
+  // The cached 600 KiB block is released to make room for a different size.
+  auto e = pool.allocate(500 << 10, MemoryCategory::kGradients);
+  EXPECT_TRUE(e.is_ok()) << e.status().to_string();
+  EXPECT_LE(ledger.usage(Tier::kHost).peak, 1u << 20);
+}
+
+}  // namespace
+}  // namespace zinf
