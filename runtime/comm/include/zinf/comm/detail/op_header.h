@@ -1,0 +1,47 @@
+// Cross-rank agreement on a collective, shared by the backends. Each rank describes its call in
+// a fixed-size OpHeader; every rank checks everyone's headers with the same function, so all
+// ranks reach the same verdict and report the same message.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+
+#include "zinf/comm/communicator.h"
+
+namespace zinf::comm::detail {
+
+struct OpHeader {
+  uint64_t seq = 0;
+  uint64_t total = 0;        // sum of counts
+  uint64_t own_count = 0;    // counts[rank] for all_gather / reduce_scatter, else total
+  uint64_t counts_hash = 0;  // FNV-1a over the counts vector
+  int32_t root = 0;
+  uint8_t op = 0;
+  uint8_t dtype = 0;
+  uint8_t reduce = 0;
+  uint8_t invalid = 0;  // this rank's arguments were rejected (Collective::invalid)
+};
+static_assert(sizeof(OpHeader) == 40);
+
+OpHeader make_header(const Collective& c, int rank);
+
+// The verdict on one collective from every rank's header (headers[j] is rank j's). `reason(j)`
+// gives rank j's Collective::invalid text where this rank knows it ("" otherwise).
+Status check_headers(std::span<const OpHeader> headers,
+                     const std::function<std::string(int rank)>& reason);
+
+// The ranks in `ranks`, written "rank 3" or "ranks 1, 2, 5".
+std::string format_ranks(std::span<const int> ranks);
+
+// The host reduction: dst[i] = reduce of srcs(0)[i], ..., srcs(nsrc-1)[i] for i < count, with
+// reduce_element's arithmetic (rank-order fp32 sum, scale, one rounding). dst may be one of the
+// sources (in place). `srcs` is an array of nsrc base pointers.
+void reduce_rank_order(void* dst, const void* const* srcs, int nsrc, size_t count, DType dtype,
+                       float scale);
+
+// 1.0f for kSum, 1.0f / world for kAvg.
+float reduce_scale(ReduceOp op, int world);
+
+}  // namespace zinf::comm::detail
