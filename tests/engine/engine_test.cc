@@ -1,0 +1,207 @@
+#include "zinf/engine/engine.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "mlp.h"
+
+namespace zinf {
+namespace {
+
+using testing::MlpShape;
+using testing::RunResult;
+using testing::train_local;
+
+EngineSettings base(int stage) {
+  EngineSettings s;
+  s.stage = stage;
+  s.adam.lr = 0.01f;
+  s.adam.weight_decay = 0.01f;
+  return s;
+}
+
+bool bit_equal(const RunResult& a, const RunResult& b) {
+  if (a.params.size() != b.params.size()) return false;
+  for (size_t u = 0; u < a.params.size(); ++u) {
+    if (a.params[u].size() != b.params[u].size()) return false;
+    if (std::memcmp(a.params[u].data(), b.params[u].data(), a.params[u].size() * 4) != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+struct Variant {
+  const char* name;
+  int gas;
+  float clip;
+  uint64_t bucket;
+  bool overlap;
+};
+
+// The promise: every stage gives bit-identical fp32 parameters at every world size.
+TEST(Engine, StagesAreBitIdenticalAtWorldSizes1To4) {
+  const Variant variants[] = {{"plain", 1, 0, 500'000'000, false},
+                              {"accumulation+clipping+buckets", 2, 0.05f, 700, true}};
+  for (const Variant& v : variants) {
+    for (int world : {1, 2, 3, 4}) {
+      RunResult reference;
+      for (int stage : {0, 1, 2, 3}) {
+        EngineSettings s = base(stage);
+        s.gradient_accumulation_steps = v.gas;
+        s.gradient_clipping = v.clip;
+        s.reduce_bucket_elements = v.bucket;
+        s.overlap_comm = v.overlap;
+        RunResult r = train_local(s, world, 4, 3);
+        ASSERT_TRUE(r.status.is_ok()) << r.status.to_string();
+        ASSERT_EQ(r.losses.size(), 4u);
+        EXPECT_LT(r.losses.back(), r.losses.front()) << v.name << " stage " << stage;
+        if (v.clip > 0) EXPECT_GT(r.info.front().grad_norm, v.clip);  // clipping is exercised
+        if (stage == 0) {
+          reference = r;
+        } else {
+          EXPECT_TRUE(bit_equal(reference, r))
+              << v.name << ": stage " << stage << " differs from stage 0 at world " << world;
+        }
+      }
+    }
+  }
+}
+
+// The comparison above is not vacuous: a different learning rate in the last bit is noticed.
+TEST(Engine, BitComparisonDetectsTinyDifferences) {
+  EngineSettings a = base(2), b = base(2);
+  b.adam.lr = std::nextafter(a.adam.lr, 1.0f);
+  RunResult ra = train_local(a, 2, 2, 3), rb = train_local(b, 2, 2, 3);
+  ASSERT_TRUE(ra.status.is_ok() && rb.status.is_ok());
+  EXPECT_FALSE(bit_equal(ra, rb));
+}
+
+TEST(Engine, MatchesOneRankWithTheWholeBatch) {
+  RunResult one = train_local(base(0), 1, 5, 12);
+  ASSERT_TRUE(one.status.is_ok()) << one.status.to_string();
+  for (int stage : {1, 3}) {
+    RunResult four = train_local(base(stage), 4, 5, 3);
+    ASSERT_TRUE(four.status.is_ok()) << four.status.to_string();
+    // Same global batch, averaged in a different order: equal to within fp32 rounding
+    // amplified by a few Adam steps (stated tolerance: 1e-4 absolute on values of order 0.1).
+    for (size_t u = 0; u < one.params.size(); ++u) {
+      for (size_t i = 0; i < one.params[u].size(); ++i) {
+        ASSERT_NEAR(one.params[u][i], four.params[u][i], 1e-4) << "unit " << u << " elem " << i;
+      }
+    }
+  }
+}
+
+TEST(Engine, Bf16AndFp16AreBitIdenticalAcrossStages) {
+  for (DType dt : {DType::kBF16, DType::kF16}) {
+    RunResult reference;
+    for (int stage : {0, 1, 2, 3}) {
+      EngineSettings s = base(stage);
+      s.dtype = dt;
+      s.gradient_clipping = 1.0f;
+      s.initial_scale_power = 8;  // fp16: small enough that no step overflows
+      RunResult r = train_local(s, 2, 3, 4);
+      ASSERT_TRUE(r.status.is_ok()) << r.status.to_string();
+      EXPECT_LT(r.losses.back(), r.losses.front());
+      if (stage == 0) {
+        reference = r;
+      } else {
+        EXPECT_TRUE(bit_equal(reference, r)) << dtype_name(dt) << " stage " << stage;
+      }
+    }
+  }
+}
+
+// memory_report() against DESIGN.md's table (fp32; P = padded parameter elements).
+TEST(Engine, MemoryMatchesTheZeroArithmetic) {
+  MlpShape shape;
+  for (int world : {1, 2, 3, 4}) {
+    uint64_t P = 0;
+    for (auto& u : testing::mlp_units(shape)) P += zero::make_shard_layout(u, world, DType::kF32)->numel_padded;
+    const uint64_t N = world;
+    for (int stage : {0, 1, 2, 3}) {
+      RunResult r = train_local(base(stage), world, 1, 2, shape);
+      ASSERT_TRUE(r.status.is_ok()) << r.status.to_string();
+      uint64_t params = stage == 3 ? P / N : P;
+      uint64_t grads = stage <= 1 ? P : P / N;
+      uint64_t optim = stage == 0 ? 2 * P : 2 * P / N;
+      for (int rank = 0; rank < world; ++rank) {
+        const TierUsage& d = r.memory[rank].tiers[static_cast<int>(Tier::kDevice)];
+        // Between steps nothing transient is held: the resident state is exactly the table.
+        EXPECT_EQ(d.current_by_category[0], params * 4) << "stage " << stage << " world " << world;
+        EXPECT_EQ(d.current_by_category[1], grads * 4) << "stage " << stage << " world " << world;
+        EXPECT_EQ(d.current_by_category[2], optim * 4) << "stage " << stage << " world " << world;
+        // Peaks: the table plus the configured buffers (one unit gathered, one gradient buffer
+        // and its reduced shard at a time).
+        uint64_t largest = 0;
+        for (auto& u : testing::mlp_units(shape)) {
+          largest = std::max(largest, zero::make_shard_layout(u, world, DType::kF32)->numel_padded);
+        }
+        uint64_t buffers = (stage == 3 ? largest : 0) + largest + largest / N;
+        EXPECT_LE(d.peak, (params + grads + optim + buffers) * 4) << "stage " << stage;
+      }
+    }
+  }
+}
+
+TEST(Engine, CommunicationMatchesTheZeroVolumes) {
+  MlpShape shape;
+  for (int world : {2, 3}) {
+    uint64_t P = 0;
+    for (auto& u : testing::mlp_units(shape)) P += zero::make_shard_layout(u, world, DType::kF32)->numel_padded;
+    for (int stage : {0, 1, 2, 3}) {
+      RunResult r = train_local(base(stage), world, 2, 2, shape);
+      ASSERT_TRUE(r.status.is_ok()) << r.status.to_string();
+      for (int rank = 0; rank < world; ++rank) {
+        const CommReport& c = r.comm[rank];
+        EXPECT_EQ(c.volume_elements(), stage == 3 ? 3 * P : 2 * P) << "stage " << stage;
+        // The communicator's own count agrees with the engine's.
+        uint64_t counted = c.counters.total().volume_elements - c.control_elements;
+        EXPECT_EQ(counted, c.volume_elements()) << "stage " << stage;
+      }
+    }
+  }
+}
+
+TEST(Engine, Fp16OverflowSkipsTheStepAndLowersTheScale) {
+  EngineSettings s = base(2);
+  s.dtype = DType::kF16;
+  s.hysteresis = 1;
+  s.initial_scale_power = 8;
+  float scale_before = 0;
+  RunResult r = train_local(s, 2, 3, 2, {}, [&](Engine& e, int step) {
+    if (step == 1) scale_before = e.loss_scale();
+  });
+  ASSERT_TRUE(r.status.is_ok()) << r.status.to_string();
+  EXPECT_FALSE(r.info[0].skipped);
+  // An overflowing loss scale: 2^30 times gradients of order 1 overflow fp16 gradients.
+  EngineSettings big = s;
+  big.initial_scale_power = 30;
+  RunResult o = train_local(big, 2, 2, 2);
+  ASSERT_TRUE(o.status.is_ok()) << o.status.to_string();
+  EXPECT_TRUE(o.info[0].skipped);
+  EXPECT_EQ(o.info[0].step, 0);
+  EXPECT_EQ(o.info[0].loss_scale, std::ldexp(1.0f, 29));
+  EXPECT_GT(scale_before, 0);
+}
+
+TEST(Engine, BadSettingsAreClearErrors) {
+  auto group = comm::make_local_group(1).value();
+  EngineSettings s = base(2);
+  s.param_home = Tier::kHost;
+  auto e = Engine::create(s, *group[0], testing::mlp_units({}), testing::mlp_init);
+  ASSERT_FALSE(e.is_ok());
+  EXPECT_NE(e.status().message().find("stage 3"), std::string::npos);
+  s = base(3);
+  s.optimizer_home = Tier::kNvme;
+  e = Engine::create(s, *group[0], testing::mlp_units({}), testing::mlp_init);
+  ASSERT_FALSE(e.is_ok());
+  EXPECT_NE(e.status().message().find("nvme_path"), std::string::npos);
+  s = base(5);
+  EXPECT_FALSE(Engine::create(s, *group[0], testing::mlp_units({}), testing::mlp_init).is_ok());
+}
+
+}  // namespace
+}  // namespace zinf
