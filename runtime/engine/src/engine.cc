@@ -159,7 +159,8 @@ struct Engine::Impl {
     ZINF_ASSIGN_OR_RETURN(store, TieredTensorStore::create({.device = device.get(),
                                                             .host = pool.get(),
                                                             .swap = swap.get(),
-                                                            .ledger = &ledger}));
+                                                            .ledger = &ledger,
+                                                            .staging_bytes = s.staging_bytes}));
     if (s.static_loss_scale > 0) {
       scale = s.static_loss_scale;
     } else if (s.dtype == DType::kF16) {
@@ -229,8 +230,10 @@ struct Engine::Impl {
     const uint64_t wsize = dtype_size(s.dtype);
     Pending p{.unit = u, .grads = std::move(grads)};
     if (s.stage >= 1) {
-      ZINF_ASSIGN_OR_RETURN(p.shard,
-                            device->allocate(l.shard_numel * wsize, MemoryCategory::kBuffers));
+      ZINF_ASSIGN_OR_RETURN(p.shard, store->allocate_device(l.shard_numel * wsize,
+                                                            MemoryCategory::kBuffers,
+                                                            "reduced gradient shard of " +
+                                                                units[u].name));
     }
     const uint64_t bucket = std::max<uint64_t>(s.reduce_bucket_elements, 1);
     auto* g = static_cast<char*>(p.grads.data());
@@ -547,7 +550,8 @@ Result<UnitScope> Engine::gather(size_t unit) {
     return scope;
   }
   const uint64_t wsize = dtype_size(s.s.dtype);
-  auto full = s.device->allocate(st.layout.numel_padded * wsize, MemoryCategory::kParameters);
+  auto full = s.store->allocate_device(st.layout.numel_padded * wsize, MemoryCategory::kParameters,
+                                       "gathered parameters of " + s.units[unit].name);
   if (!full.is_ok()) {
     scope.engine_ = nullptr;
     return std::move(full).take_status().with_context("gathering unit " + s.units[unit].name);
@@ -568,7 +572,9 @@ void* Engine::scope_grads(UnitScope& scope) {
   if (!scope.grads_) {
     Impl& s = *impl_;
     const auto& l = s.unit_states[scope.unit_].layout;
-    auto g = s.device->allocate(l.numel_padded * dtype_size(s.s.dtype), MemoryCategory::kGradients);
+    auto g = s.store->allocate_device(l.numel_padded * dtype_size(s.s.dtype),
+                                      MemoryCategory::kGradients,
+                                      "gradient buffer of " + s.units[scope.unit_].name);
     if (!g.is_ok()) {
       if (s.sticky.is_ok()) s.sticky = g.status();
       return nullptr;

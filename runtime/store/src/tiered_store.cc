@@ -326,6 +326,16 @@ struct TieredTensorStore::Impl {
     return Status::ok();
   }
 
+  // Drops one unpinned copy from `tier` to make room. kOutOfMemory when nothing can go.
+  Status evict_one(std::unique_lock<std::mutex>& lk, Tier tier) {
+    int64_t victim = pick_victim(tier);
+    if (victim < 0) {
+      return make_error(ErrorCode::kOutOfMemory, "every resident copy in the {} tier is in use",
+                        tier_name(tier));
+    }
+    return drop(lk, static_cast<TensorId>(victim), tier);
+  }
+
   // Gives tensor `id` storage in `tier`, evicting others under the budget. Unlocks while
   // writing victims back.
   Status make_copy_storage(std::unique_lock<std::mutex>& lk, TensorId id, Tier tier) {
@@ -335,13 +345,13 @@ struct TieredTensorStore::Impl {
       if (s.is_ok() || s.code() != ErrorCode::kOutOfMemory) {
         return s.is_ok() ? s : std::move(s).with_context("tensor " + t->spec.name);
       }
-      int64_t victim = pick_victim(tier);
-      if (victim < 0) {
+      Status e = evict_one(lk, tier);
+      if (e.code() == ErrorCode::kOutOfMemory) {
         return std::move(s).with_context(fmt::format(
             "tensor {} ({}) does not fit in the {} tier and every resident copy is in use",
             t->spec.name, format_bytes(static_cast<double>(t->padded)), tier_name(tier)));
       }
-      ZINF_RETURN_IF_ERROR(drop(lk, static_cast<TensorId>(victim), tier));
+      ZINF_RETURN_IF_ERROR(e);
     }
   }
 
@@ -600,6 +610,27 @@ Status TieredTensorStore::destroy_tensor(TensorId id) {
   }
   s.tensors[id].reset();
   return Status::ok();
+}
+
+Result<DeviceBuffer> TieredTensorStore::allocate_device(uint64_t bytes, MemoryCategory category,
+                                                         const std::string& what) {
+  Impl& s = *impl_;
+  if (s.o.device == nullptr) {
+    return make_error(ErrorCode::kInvalidArgument, "the store has no device tier");
+  }
+  std::unique_lock lk(s.mu);
+  while (true) {
+    auto b = s.o.device->allocate(bytes, category);
+    if (b.is_ok() || b.status().code() != ErrorCode::kOutOfMemory) {
+      return b.is_ok() ? std::move(b) : std::move(b).take_status().with_context(what);
+    }
+    Status e = s.evict_one(lk, Tier::kDevice);
+    if (e.code() == ErrorCode::kOutOfMemory) {
+      return std::move(b).take_status().with_context(what +
+                                                     " (every resident copy is in use)");
+    }
+    ZINF_RETURN_IF_ERROR(e);
+  }
 }
 
 void TieredTensorStore::prefetch(TensorId id, Tier tier) {

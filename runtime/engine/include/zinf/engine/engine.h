@@ -66,6 +66,7 @@ struct EngineSettings {
   std::vector<std::string> nvme_paths;
   uint64_t device_mem = 0;             // device budget in bytes; 0 = unlimited
   uint64_t host_mem = 0;               // pinned-host budget in bytes; 0 = unlimited
+  uint64_t staging_bytes = 4ull << 20; // NVMe <-> device staging piece (multiple of 1 MiB)
   int optimizer_threads = 0;           // CPU Adam threads; 0 = all
   uint64_t seed = 0;
 };

@@ -110,6 +110,11 @@ class TieredTensorStore {
   // The tensor must not be pinned. Frees every copy.
   Status destroy_tensor(TensorId id);
 
+  // Device memory outside any tensor (gathered units, gradient buffers), under the same budget:
+  // cached copies are evicted to make room. `what` names the request in errors.
+  Result<DeviceBuffer> allocate_device(uint64_t bytes, MemoryCategory category,
+                                       const std::string& what);
+
   void prefetch(TensorId id, Tier tier);
   Result<TensorHandle> acquire(TensorId id, Tier tier);
   // Drops the copy in `tier` (not the home), writing it back first when it is the only valid one.

@@ -1,0 +1,109 @@
+// Offload through the tiered store: optimizer states and parameters homed on the host or on
+// NVMe give the same bits as keeping everything on the device.
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "../io/test_dir.h"
+#include "mlp.h"
+
+namespace zinf {
+namespace {
+
+using testing::RunResult;
+using testing::train_local;
+
+bool same_bits(const RunResult& a, const RunResult& b) {
+  if (a.params.size() != b.params.size()) return false;
+  for (size_t u = 0; u < a.params.size(); ++u) {
+    if (a.params[u].size() != b.params[u].size() ||
+        std::memcmp(a.params[u].data(), b.params[u].data(), a.params[u].size() * 4) != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+struct Mode {
+  const char* name;
+  Tier params;
+  Tier optimizer;
+};
+
+TEST(Offload, EveryModeIsBitIdenticalToNoOffload) {
+  zinf::testing::TempDir nvme;
+  const Mode modes[] = {{"optimizer cpu", Tier::kDevice, Tier::kHost},
+                        {"optimizer nvme", Tier::kDevice, Tier::kNvme},
+                        {"params cpu", Tier::kHost, Tier::kDevice},
+                        {"params nvme", Tier::kNvme, Tier::kDevice},
+                        {"both nvme", Tier::kNvme, Tier::kNvme}};
+  for (int world : {1, 2, 4}) {
+    for (int stage : {1, 2, 3}) {
+      EngineSettings s;
+      s.stage = stage;
+      s.adam.lr = 0.01f;
+      s.gradient_clipping = 0.5f;
+      RunResult reference = train_local(s, world, 3, 2);
+      ASSERT_TRUE(reference.status.is_ok()) << reference.status.to_string();
+      for (const Mode& m : modes) {
+        if (m.params != Tier::kDevice && stage != 3) continue;
+        EngineSettings o = s;
+        o.param_home = m.params;
+        o.optimizer_home = m.optimizer;
+        o.nvme_paths = {nvme.path()};
+        RunResult r = train_local(o, world, 3, 2);
+        ASSERT_TRUE(r.status.is_ok()) << m.name << ": " << r.status.to_string();
+        EXPECT_TRUE(same_bits(reference, r))
+            << m.name << " differs at stage " << stage << " world " << world;
+        if (m.params == Tier::kNvme || m.optimizer == Tier::kNvme) {
+          EXPECT_GT(r.memory[0].tiers[static_cast<int>(Tier::kNvme)].peak, 0u) << m.name;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace zinf
+
+namespace zinf {
+namespace {
+
+TEST(Offload, BudgetsHoldWhileTheStateIsSeveralTimesLarger) {
+  zinf::testing::TempDir nvme;
+  testing::MlpShape shape{.dims = {64, 1024, 1024, 1024, 1024, 1024, 8}};
+  const int world = 2;
+  uint64_t P = 0;
+  for (auto& u : testing::mlp_units(shape)) {
+    P += zero::make_shard_layout(u, world, DType::kF32)->numel_padded;
+  }
+  const uint64_t state_bytes = 16 * P;  // params, grads, m, v in fp32
+  EngineSettings s;
+  s.stage = 3;
+  s.adam.lr = 0.01f;
+  s.param_home = Tier::kNvme;
+  s.optimizer_home = Tier::kNvme;
+  s.nvme_paths = {nvme.path()};
+  s.staging_bytes = 1 << 20;
+  s.device_mem = 14 << 20;  // one gathered unit, its gradients and shards
+  s.host_mem = 18 << 20;    // staging lanes and one unit's optimizer shards
+  RunResult r = train_local(s, world, 2, 2, shape);
+  ASSERT_TRUE(r.status.is_ok()) << r.status.to_string();
+  EXPECT_GT(state_bytes, 3 * s.device_mem);
+  EXPECT_GT(state_bytes, 3 * s.host_mem);
+  for (int rank = 0; rank < world; ++rank) {
+    EXPECT_LE(r.memory[rank].tiers[static_cast<int>(Tier::kDevice)].peak, s.device_mem);
+    EXPECT_LE(r.memory[rank].tiers[static_cast<int>(Tier::kHost)].peak, s.host_mem);
+    EXPECT_GE(r.memory[rank].tiers[static_cast<int>(Tier::kNvme)].current, state_bytes / world);
+  }
+  // And the same bits as with everything resident.
+  EngineSettings plain;
+  plain.stage = 3;
+  plain.adam.lr = 0.01f;
+  RunResult ref = train_local(plain, world, 2, 2, shape);
+  ASSERT_TRUE(ref.status.is_ok());
+  EXPECT_TRUE(same_bits(ref, r));
+}
+
+}  // namespace
+}  // namespace zinf
