@@ -217,8 +217,15 @@ struct Engine::Impl {
       }
       h.mark_dirty();
     }
-    // Resident where they are used.
-    store->prefetch(st.params, Tier::kDevice);
+    // Resident where they are used; the host copy written above is not kept.
+    if (s.param_home != Tier::kHost) {
+      { ZINF_ASSIGN_OR_RETURN(TensorHandle d, store->acquire(st.params, Tier::kDevice)); }
+      ZINF_RETURN_IF_ERROR(store->evict(st.params, Tier::kHost));
+    }
+    if (mixed && s.optimizer_home != Tier::kHost) {
+      ZINF_RETURN_IF_ERROR(store->flush(st.master));
+      if (s.optimizer_home == Tier::kNvme) ZINF_RETURN_IF_ERROR(store->evict(st.master, Tier::kHost));
+    }
     return Status::ok();
   }
 
@@ -608,6 +615,8 @@ Status Engine::step() {
 }
 
 float Engine::loss_scale() const { return impl_->scale; }
+
+StoreStats Engine::store_stats() const { return impl_->store->stats(); }
 
 MemoryReport Engine::memory_report() const {
   MemoryReport r;

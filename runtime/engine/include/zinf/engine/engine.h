@@ -143,6 +143,8 @@ class Engine {
   float loss_scale() const;
   const StepInfo& last_step() const { return last_step_; }
   MemoryReport memory_report() const;
+  // What the tiered store moved so far (NVMe bytes read and written, evictions, ...).
+  StoreStats store_stats() const;
   CommReport comm_report() const { return last_comm_; }
   // Collective: every rank must call it. The unit's fp32 parameters (the master copy), whole.
   Result<std::vector<float>> full_parameters(size_t unit);

@@ -1,0 +1,206 @@
+// `zinf train`: the GPT example trained through the Engine.
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <cmath>
+#include <nlohmann/json.hpp>
+
+#include "command.h"
+#include "zinf/core/units.h"
+#include "zinf/gpt/trainer.h"
+
+namespace zinf::cli {
+namespace {
+
+struct Args {
+  std::string model = "small";
+  int layers = 0, dim = 0, heads = 0, seq = 0;
+  int batch = 8;
+  int steps = 200;
+  double lr = 3e-3;
+  uint64_t seed = 1;
+  std::string data;
+  int ranks = 1;
+  int stage = 3;
+  std::string offload_param = "none";
+  std::string offload_optimizer = "none";
+  std::vector<std::string> nvme_paths;
+  std::string dtype = "fp32";
+  std::string device_mem, host_mem;
+  int grad_accum = 1;
+  double clip = 1.0;
+  std::string trace, log_json, export_path;
+  int sample = 0;
+  bool quiet = false;
+};
+
+Tier parse_offload(const std::string& flag, const std::string& v) {
+  if (v == "none") return Tier::kDevice;
+  if (v == "cpu") return Tier::kHost;
+  if (v == "nvme") return Tier::kNvme;
+  throw CliError(flag + " must be none, cpu or nvme, got '" + v + "'", 2);
+}
+
+uint64_t bytes_arg(const std::string& flag, const std::string& text) {
+  auto r = parse_bytes(text);
+  if (!r.is_ok()) throw CliError(flag + ": " + r.status().message(), 2);
+  return *r;
+}
+
+void print_memory_table(const gpt::TrainReport& r, DType dtype) {
+  const double P = static_cast<double>(r.padded_parameters);
+  // Plain data parallelism holds everything on every rank: params and grads in the working
+  // dtype, fp32 master (mixed precision), m and v.
+  const double wsize = static_cast<double>(dtype_size(dtype));
+  const double plain = P * (2 * wsize + (wsize == 4 ? 0 : 4) + 8);
+  std::printf("\nMemory per rank (peak), against plain data parallelism (%s on the device):\n",
+              format_bytes(plain).c_str());
+  std::printf("  %-5s %-12s %-12s %-12s %s\n", "rank", "device", "host", "nvme",
+              "device vs plain DP");
+  for (size_t rank = 0; rank < r.memory.size(); ++rank) {
+    const auto& m = r.memory[rank];
+    double dev = static_cast<double>(m.tiers[0].peak);
+    std::printf("  %-5zu %-12s %-12s %-12s %.1f%%\n", rank, format_bytes(dev).c_str(),
+                format_bytes(static_cast<double>(m.tiers[1].peak)).c_str(),
+                format_bytes(static_cast<double>(m.tiers[2].peak)).c_str(),
+                plain > 0 ? 100.0 * dev / plain : 0.0);
+  }
+}
+
+void run(const Args& a) {
+  gpt::TrainOptions o;
+  auto preset = gpt::preset(a.model);
+  if (!preset.is_ok()) throw CliError(preset.status().message(), 2);
+  o.model = *preset;
+  o.model_name = a.model;
+  if (a.layers) o.model.layers = a.layers;
+  if (a.dim) o.model.dim = a.dim;
+  if (a.heads) o.model.heads = a.heads;
+  if (a.seq) o.model.seq = a.seq;
+  o.batch = a.batch;
+  o.steps = a.steps;
+  o.seed = a.seed;
+  o.data = a.data;
+  o.mpi = std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr;
+  o.ranks = a.ranks;
+  o.sample_bytes = a.sample;
+  o.export_path = a.export_path;
+  o.log_json = a.log_json;
+  EngineSettings& e = o.engine;
+  e.stage = a.stage;
+  if (a.stage < 0 || a.stage > 3) throw CliError("--stage must be 0..3", 2);
+  auto dt = parse_dtype(a.dtype);
+  if (!dt) throw CliError("--dtype must be fp32, bf16 or fp16, got '" + a.dtype + "'", 2);
+  e.dtype = *dt;
+  e.adam.lr = static_cast<float>(a.lr);
+  e.adam.weight_decay = 0.01f;
+  e.gradient_clipping = static_cast<float>(a.clip);
+  e.gradient_accumulation_steps = a.grad_accum;
+  e.param_home = parse_offload("--offload-param", a.offload_param);
+  e.optimizer_home = parse_offload("--offload-optimizer", a.offload_optimizer);
+  if (e.param_home != Tier::kDevice && e.stage != 3) {
+    throw CliError("--offload-param needs --stage 3", 2);
+  }
+  e.nvme_paths = a.nvme_paths;
+  for (const std::string& p : e.nvme_paths) {
+    if (::access(p.c_str(), W_OK) != 0) std::filesystem::create_directories(p);
+  }
+  if (!a.device_mem.empty()) e.device_mem = bytes_arg("--device-mem", a.device_mem);
+  if (!a.host_mem.empty()) e.host_mem = bytes_arg("--host-mem", a.host_mem);
+  e.seed = a.seed;
+  if (Status s = gpt::check_train_options(o); !s.is_ok()) throw CliError(s.detail(), 2);
+
+  const bool tty = ::isatty(STDERR_FILENO) && !a.quiet;
+  std::unique_ptr<std::ofstream> log;
+  if (!a.log_json.empty()) {
+    log = std::make_unique<std::ofstream>(a.log_json, std::ios::trunc);
+    if (!*log) throw CliError("cannot write " + a.log_json, 2);
+  }
+  if (!a.quiet) {
+    std::printf("zinf train: %s, %s rank%s, ZeRO stage %d, %s, params on %s, optimizer on %s\n",
+                gpt::describe(o.model).c_str(),
+                o.mpi ? std::getenv("OMPI_COMM_WORLD_SIZE") : std::to_string(o.ranks).c_str(),
+                o.ranks == 1 && !o.mpi ? "" : "s", e.stage, a.dtype.c_str(),
+                tier_name(e.param_home).data(), tier_name(e.optimizer_home).data());
+    std::fflush(stdout);
+  }
+  auto on_step = [&](const gpt::StepLog& s, int total) {
+    double nvme_rate = s.seconds > 0 ? static_cast<double>(s.nvme_read + s.nvme_written) / s.seconds : 0;
+    if (tty) {
+      int width = 24, done = static_cast<int>(static_cast<double>(s.step) / total * width);
+      std::fprintf(stderr, "\r[%s%s] step %lld/%d  loss %.4f  %.0f tok/s  NVMe %s   ",
+                   std::string(done, '#').c_str(), std::string(width - done, '.').c_str(),
+                   static_cast<long long>(s.step), total, s.loss, s.tokens_per_s,
+                   format_rate(nvme_rate).c_str());
+      std::fflush(stderr);
+    } else if (!a.quiet && (s.step == 1 || s.step % 20 == 0 || s.step == total)) {
+      std::printf("step %lld/%d  loss %.4f  %.0f tok/s  NVMe %s\n", static_cast<long long>(s.step),
+                  total, s.loss, s.tokens_per_s, format_rate(nvme_rate).c_str());
+      std::fflush(stdout);
+    }
+    if (log) {
+      nlohmann::json j = {{"step", s.step},
+                          {"loss", s.loss},
+                          {"tokens_per_s", s.tokens_per_s},
+                          {"seconds", s.seconds},
+                          {"skipped", s.skipped},
+                          {"grad_norm", s.grad_norm},
+                          {"nvme_read_bytes", s.nvme_read},
+                          {"nvme_written_bytes", s.nvme_written},
+                          {"param_gather_elements", s.comm.param_gather_elements},
+                          {"grad_reduce_elements", s.comm.grad_reduce_elements}};
+      for (int t = 0; t < kNumTiers; ++t) {
+        j["bytes_" + std::string(tier_name(static_cast<Tier>(t)))] = s.memory.tiers[t].current;
+        j["peak_bytes_" + std::string(tier_name(static_cast<Tier>(t)))] = s.memory.tiers[t].peak;
+      }
+      *log << j.dump() << "\n";
+      log->flush();
+    }
+  };
+  auto report = gpt::train(o, on_step);
+  if (tty) std::fprintf(stderr, "\n");
+  if (!report.is_ok()) throw CliError(report.status().detail());
+  if (a.quiet) return;
+  std::printf("loss %.4f -> %.4f (chance: %.4f)\n", report->initial_loss, report->final_loss,
+              std::log(256.0));
+  print_memory_table(*report, e.dtype);
+  if (!a.export_path.empty()) std::printf("\nexported fp32 weights to %s\n", a.export_path.c_str());
+  if (a.sample > 0) std::printf("\nsample:\n%s\n", report->sample.c_str());
+}
+
+const Registration kTrain{
+    "", "train", "Train the GPT example through the Engine (ZeRO stages 0-3, CPU/NVMe offload)",
+    [](CLI::App& sub) {
+      auto a = std::make_shared<Args>();
+      sub.add_option("--model", a->model, "Preset: tiny, small, gpt2-124m, 1b, 2b (default small)");
+      sub.add_option("--layers", a->layers, "Override the number of blocks");
+      sub.add_option("--dim", a->dim, "Override the model width");
+      sub.add_option("--heads", a->heads, "Override the number of attention heads");
+      sub.add_option("--seq", a->seq, "Override the context length");
+      sub.add_option("--batch", a->batch, "Sequences per rank per micro-step (default 8)");
+      sub.add_option("--steps", a->steps, "Optimizer steps (default 200)");
+      sub.add_option("--lr", a->lr, "Learning rate (default 3e-3)");
+      sub.add_option("--seed", a->seed, "Seed of the initialisation and the data order");
+      sub.add_option("--data", a->data, "Text file to train on (default: the fortunes corpus)");
+      sub.add_option("--ranks", a->ranks, "Data-parallel ranks as local threads (default 1)");
+      sub.add_option("--stage", a->stage, "ZeRO stage 0..3 (default 3)");
+      sub.add_option("--offload-param", a->offload_param, "none | cpu | nvme (stage 3)");
+      sub.add_option("--offload-optimizer", a->offload_optimizer, "none | cpu | nvme");
+      sub.add_option("--nvme-path", a->nvme_paths, "Swap directory (repeatable: striped)");
+      sub.add_option("--dtype", a->dtype, "fp32 | bf16 | fp16 working precision (default fp32)");
+      sub.add_option("--device-mem", a->device_mem, "Device budget per rank, e.g. 2G");
+      sub.add_option("--host-mem", a->host_mem, "Pinned host budget per rank, e.g. 4G");
+      sub.add_option("--grad-accum", a->grad_accum, "Micro-steps per step (default 1)");
+      sub.add_option("--clip", a->clip, "Global gradient-norm clipping, 0 = off (default 1.0)");
+      sub.add_option("--log-json", a->log_json, "Write one JSON object per step to this file");
+      sub.add_option("--export", a->export_path, "Write the final fp32 weights (.safetensors)");
+      sub.add_option("--sample", a->sample, "Generate this many bytes of text at the end");
+      sub.add_flag("--quiet", a->quiet, "Print nothing but errors");
+      sub.callback([a] { run(*a); });
+    }};
+
+}  // namespace
+}  // namespace zinf::cli

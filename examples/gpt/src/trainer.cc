@@ -1,0 +1,371 @@
+#include "zinf/gpt/trainer.h"
+
+#include <sys/statvfs.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <set>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "zinf/comm/local.h"
+#include "zinf/comm/mpi.h"
+#include "zinf/core/units.h"
+#include "zinf/gpt/data.h"
+#include "zinf/gpt/model.h"
+#include "zinf/gpt/params.h"
+
+namespace zinf::gpt {
+namespace {
+
+std::vector<zero::UnitSpec> engine_units(const GptConfig& cfg) {
+  std::vector<zero::UnitSpec> units;
+  for (int u = 0; u < cfg.num_units(); ++u) {
+    zero::UnitSpec spec{.name = unit_name(cfg, u)};
+    for (const ParamSpec& p : unit_params(unit_kind(cfg, u), cfg)) {
+      spec.params.push_back({.name = p.name, .shape = p.shape, .weight_decay = p.weight_decay});
+    }
+    units.push_back(std::move(spec));
+  }
+  return units;
+}
+
+// The Engine's InitFn: the model's own initialiser, located by flat element index.
+InitFn make_init(const GptConfig& cfg) {
+  struct Entry {
+    uint64_t offset;
+    ParamSpec spec;
+  };
+  auto table = std::make_shared<std::vector<std::vector<Entry>>>();
+  for (int u = 0; u < cfg.num_units(); ++u) {
+    std::vector<Entry> entries;
+    uint64_t offset = 0;
+    for (const ParamSpec& p : unit_params(unit_kind(cfg, u), cfg)) {
+      entries.push_back({offset, p});
+      uint64_t n = 1;
+      for (int64_t d : p.shape) n *= static_cast<uint64_t>(d);
+      offset += n;
+    }
+    table->push_back(std::move(entries));
+  }
+  return [table](size_t unit, uint64_t element, uint64_t seed) {
+    const auto& entries = (*table)[unit];
+    auto it = std::upper_bound(entries.begin(), entries.end(), element,
+                               [](uint64_t e, const Entry& x) { return e < x.offset; });
+    --it;
+    return init_value(it->spec, element - it->offset, seed, unit);
+  };
+}
+
+struct GatherFailed {
+  Status status;
+};
+
+// Drives the Engine from the model's callbacks: a unit is gathered when the model asks for it and
+// released when the model moves to another unit. The embedding stays open from the head's
+// backward (its first gradients) to the embedding's own backward (its last), so its gradients are
+// reduced once.
+class ScopeAdapter {
+ public:
+  explicit ScopeAdapter(Engine& engine) : engine_(engine) {}
+
+  const float* params(int unit) {
+    auto it = open_.find(unit);
+    if (it == open_.end()) {
+      close_others(unit);
+      auto scope = engine_.gather(static_cast<size_t>(unit));
+      if (!scope.is_ok()) throw GatherFailed{scope.status()};
+      it = open_.emplace(unit, std::move(scope).value()).first;
+    }
+    return static_cast<const float*>(it->second.params());
+  }
+
+  float* grads(int unit) {
+    if (!open_.count(unit)) params(unit);
+    with_grads_.insert(unit);
+    void* g = open_.at(unit).grads();
+    if (g == nullptr) throw GatherFailed{Status(ErrorCode::kOutOfMemory, "no gradient buffer")};
+    return static_cast<float*>(g);
+  }
+
+  Status close_all() {
+    Status first;
+    for (auto& [u, scope] : open_) {
+      Status s = scope.finish();
+      if (first.is_ok() && !s.is_ok()) first = std::move(s);
+    }
+    open_.clear();
+    with_grads_.clear();
+    return first;
+  }
+
+ private:
+  void close_others(int unit) {
+    for (auto it = open_.begin(); it != open_.end();) {
+      bool keep = it->first == 0 && with_grads_.count(0) && unit != 0;
+      if (it->first == unit || keep) {
+        ++it;
+        continue;
+      }
+      Status s = it->second.finish();
+      it = open_.erase(it);
+      if (!s.is_ok()) throw GatherFailed{s};
+    }
+  }
+
+  Engine& engine_;
+  std::map<int, UnitScope> open_;
+  std::set<int> with_grads_;
+};
+
+uint64_t largest_unit_numel(const GptConfig& cfg) {
+  uint64_t m = 0;
+  for (int u = 0; u < cfg.num_units(); ++u) {
+    m = std::max<uint64_t>(m, static_cast<uint64_t>(unit_numel(unit_kind(cfg, u), cfg)));
+  }
+  return m;
+}
+
+struct Shared {
+  std::mutex mu;
+  TrainReport report;
+  std::vector<MemoryReport> memory;
+};
+
+Status run_rank(comm::Communicator& comm, const TrainOptions& o, const TextDataset& data,
+                Shared& shared, const StepCallback& on_step) {
+  const int rank = comm.rank(), world = comm.world_size();
+  const GptConfig& cfg = o.model;
+  const int T = o.seq > 0 ? o.seq : cfg.seq;
+  const int B = o.batch;
+  const int gas = o.engine.gradient_accumulation_steps;
+  ZINF_ASSIGN_OR_RETURN(auto engine,
+                        Engine::create(o.engine, comm, engine_units(cfg), make_init(cfg)));
+  Model model(cfg);
+  std::vector<int32_t> tokens(static_cast<size_t>(B) * T), targets(tokens.size());
+  StoreStats last_store = engine->store_stats();
+  for (int step = 0; step < o.steps; ++step) {
+    auto t0 = std::chrono::steady_clock::now();
+    double loss_sum = 0;
+    for (int m = 0; m < gas; ++m) {
+      ZINF_RETURN_IF_ERROR(data.sample_batch(o.seed, static_cast<uint64_t>(step) * gas + m, rank,
+                                             B, T, tokens.data(), targets.data()));
+      ScopeAdapter scopes(*engine);
+      double loss = 0;
+      try {
+        loss = model.forward_backward([&](int u) { return scopes.params(u); },
+                                      [&](int u) { return scopes.grads(u); }, tokens.data(),
+                                      targets.data(), B, T, engine->loss_scale());
+      } catch (const GatherFailed& f) {
+        (void)scopes.close_all();
+        return f.status;
+      }
+      ZINF_RETURN_IF_ERROR(scopes.close_all());
+      loss_sum += loss;
+    }
+    float local = static_cast<float>(loss_sum / gas), mean = local;
+    ZINF_RETURN_IF_ERROR(comm.all_reduce(&local, &mean, 1, DType::kF32, comm::ReduceOp::kAvg).wait());
+    ZINF_RETURN_IF_ERROR(engine->step());
+    double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (rank == 0) {
+      StoreStats now = engine->store_stats();
+      StepLog log{.step = step + 1,
+                  .loss = mean,
+                  .seconds = seconds,
+                  .tokens_per_s = static_cast<double>(B) * T * gas * world / seconds,
+                  .skipped = engine->last_step().skipped,
+                  .grad_norm = engine->last_step().grad_norm,
+                  .memory = engine->memory_report(),
+                  .comm = engine->comm_report(),
+                  .nvme_read = now.bytes_nvme_read - last_store.bytes_nvme_read,
+                  .nvme_written = now.bytes_nvme_written - last_store.bytes_nvme_written};
+      last_store = now;
+      {
+        std::lock_guard lock(shared.mu);
+        shared.report.steps.push_back(log);
+      }
+      if (on_step) on_step(log, o.steps);
+    }
+  }
+  {
+    std::lock_guard lock(shared.mu);
+    shared.memory[rank] = engine->memory_report();
+  }
+  // The consolidated fp32 weights (a collective: every rank takes part).
+  std::vector<std::vector<float>> full;
+  for (size_t u = 0; u < engine->unit_count(); ++u) {
+    ZINF_ASSIGN_OR_RETURN(auto p, engine->full_parameters(u));
+    full.push_back(std::move(p));
+  }
+  if (rank != 0) return Status::ok();
+  if (!o.export_path.empty()) {
+    std::vector<NamedTensor> tensors;
+    for (int u = 0; u < cfg.num_units(); ++u) {
+      uint64_t offset = 0;
+      for (const ParamSpec& p : unit_params(unit_kind(cfg, u), cfg)) {
+        uint64_t n = 1;
+        for (int64_t d : p.shape) n *= static_cast<uint64_t>(d);
+        tensors.push_back({unit_name(cfg, u) + "." + p.name, p.shape,
+                           std::vector<float>(full[u].begin() + offset,
+                                              full[u].begin() + offset + n)});
+        offset += n;
+      }
+    }
+    ZINF_RETURN_IF_ERROR(write_safetensors(o.export_path, tensors));
+  }
+  if (o.sample_bytes > 0) {
+    ZINF_ASSIGN_OR_RETURN(std::string text,
+                          generate(cfg, [&](int u) { return full[u].data(); }, o.sample_prompt,
+                                   o.sample_bytes,
+                                   {.sampling = Sampling::kRandom, .temperature = 0.8f,
+                                    .top_k = 40, .seed = o.seed}));
+    std::lock_guard lock(shared.mu);
+    shared.report.sample = std::move(text);
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+Status check_train_options(const TrainOptions& o) {
+  ZINF_RETURN_IF_ERROR(validate(o.model));
+  if (o.batch < 1) return make_error(ErrorCode::kInvalidArgument, "--batch must be at least 1");
+  if (o.steps < 1) return make_error(ErrorCode::kInvalidArgument, "--steps must be at least 1");
+  if (!o.mpi && (o.ranks < 1 || o.ranks > 64)) {
+    return make_error(ErrorCode::kInvalidArgument, "--ranks must be 1..64, got {}", o.ranks);
+  }
+  const int T = o.seq > 0 ? o.seq : o.model.seq;
+  if (T > o.model.seq) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "sequence length {} is longer than the model's context {}", T, o.model.seq);
+  }
+  // Budgets large enough for the largest unit being worked on.
+  const uint64_t wsize = dtype_size(o.engine.dtype);
+  const uint64_t unit = largest_unit_numel(o.model);
+  const uint64_t need_device = unit * wsize * (o.engine.stage == 3 ? 3 : 2);
+  if (o.engine.device_mem && o.engine.device_mem < need_device) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "--device-mem {} is too small: the largest unit ({} parameters) needs at "
+                      "least {} on the device while it is worked on",
+                      format_bytes(static_cast<double>(o.engine.device_mem)), unit,
+                      format_bytes(static_cast<double>(need_device)));
+  }
+  const int world = o.mpi ? 1 : o.ranks;
+  const uint64_t P = static_cast<uint64_t>(parameter_count(o.model));
+  if (o.engine.optimizer_home == Tier::kHost && o.engine.host_mem &&
+      o.engine.host_mem < 16 * unit / static_cast<uint64_t>(world) + (32ull << 20)) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "--host-mem {} is too small for CPU optimizer offload: one unit's optimizer "
+                      "state and the staging buffers need {}",
+                      format_bytes(static_cast<double>(o.engine.host_mem)),
+                      format_bytes(16.0 * unit / world + (32ull << 20)));
+  }
+  // NVMe: room for what goes there (every local rank writes to the same paths).
+  uint64_t nvme_bytes = 0;
+  if (o.engine.param_home == Tier::kNvme) nvme_bytes += P * wsize;
+  if (o.engine.optimizer_home == Tier::kNvme) nvme_bytes += P * (12 + (wsize == 4 ? 0 : 4));
+  if (nvme_bytes > 0) {
+    if (o.engine.nvme_paths.empty()) {
+      return make_error(ErrorCode::kInvalidArgument, "NVMe offload needs --nvme-path");
+    }
+    uint64_t avail = 0;
+    for (const std::string& dir : o.engine.nvme_paths) {
+      struct statvfs vfs {};
+      if (::statvfs(dir.c_str(), &vfs) != 0) {
+        return errno_status(errno, fmt::format("NVMe path {} is not usable", dir));
+      }
+      avail += static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+    }
+    uint64_t need = nvme_bytes + nvme_bytes / 8;  // and room for padding and file growth
+    if (avail < need) {
+      return make_error(ErrorCode::kNoSpace,
+                        "the NVMe paths have {} free; offloading this model needs about {}",
+                        format_bytes(static_cast<double>(avail)),
+                        format_bytes(static_cast<double>(need)));
+    }
+  }
+  return Status::ok();
+}
+
+Result<TrainReport> train(const TrainOptions& o, const StepCallback& on_step) {
+  ZINF_RETURN_IF_ERROR(check_train_options(o));
+  ZINF_ASSIGN_OR_RETURN(TextDataset data, TextDataset::load(o.data));
+  const int T = o.seq > 0 ? o.seq : o.model.seq;
+  ZINF_RETURN_IF_ERROR(data.check_window(T));
+
+  Shared shared;
+  std::vector<Status> status;
+  if (o.mpi) {
+    ZINF_ASSIGN_OR_RETURN(auto comm, comm::make_mpi_communicator());
+    shared.memory.resize(comm->world_size());
+    shared.report.world = comm->world_size();
+    status.push_back(run_rank(*comm, o, data, shared, on_step));
+  } else {
+    ZINF_ASSIGN_OR_RETURN(auto group, comm::make_local_group(o.ranks));
+    shared.memory.resize(o.ranks);
+    shared.report.world = o.ranks;
+    status.resize(o.ranks);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < o.ranks; ++r) {
+      threads.emplace_back([&, r] { status[r] = run_rank(*group[r], o, data, shared, on_step); });
+    }
+    for (auto& t : threads) t.join();
+  }
+  for (Status& s : status) ZINF_RETURN_IF_ERROR(s);
+  TrainReport report = std::move(shared.report);
+  report.memory = std::move(shared.memory);
+  report.parameters = parameter_count(o.model);
+  auto units = engine_units(o.model);
+  for (auto& u : units) {
+    report.padded_parameters += zero::make_shard_layout(u, report.world, o.engine.dtype)->numel_padded;
+  }
+  if (!report.steps.empty()) {
+    report.initial_loss = report.steps.front().loss;
+    size_t tail = std::max<size_t>(1, report.steps.size() / 10);
+    double sum = 0;
+    for (size_t i = report.steps.size() - tail; i < report.steps.size(); ++i) {
+      sum += report.steps[i].loss;
+    }
+    report.final_loss = sum / static_cast<double>(tail);
+  }
+  return report;
+}
+
+Status write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors) {
+  nlohmann::json header = nlohmann::json::object();
+  uint64_t offset = 0;
+  for (const NamedTensor& t : tensors) {
+    uint64_t bytes = t.data.size() * 4;
+    header[t.name] = {{"dtype", "F32"}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+  }
+  header["__metadata__"] = {{"format", "pt"}, {"producer", "zinf"}};
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');  // keep the data 8-byte aligned
+  std::string tmp = path + ".partial";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) return errno_status(errno, fmt::format("cannot write {}", tmp));
+    uint64_t n = text.size();
+    out.write(reinterpret_cast<const char*>(&n), 8);
+    out.write(text.data(), static_cast<std::streamsize>(text.size()));
+    for (const NamedTensor& t : tensors) {
+      out.write(reinterpret_cast<const char*>(t.data.data()),
+                static_cast<std::streamsize>(t.data.size() * 4));
+    }
+    out.flush();
+    if (!out) return errno_status(errno, fmt::format("error writing {}", tmp));
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    return errno_status(errno, fmt::format("cannot move {} to {}", tmp, path));
+  }
+  return Status::ok();
+}
+
+}  // namespace zinf::gpt
