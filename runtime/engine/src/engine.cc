@@ -87,6 +87,13 @@ struct Engine::Impl {
   std::deque<Pending> pending;
   Status sticky;  // an error from a scope's destructor, reported by the next call
 
+  // The scheduler: the order in which units are gathered, recorded during the first step and
+  // followed afterwards to prefetch ahead.
+  std::vector<size_t> trace;
+  size_t trace_pos = 0;
+  bool recording = true;
+  std::vector<std::shared_future<Status>> evictions;  // write-backs in flight
+
   // Step state.
   int64_t steps = 0;
   float scale = 1;
@@ -186,9 +193,11 @@ struct Engine::Impl {
                                               MemoryCategory::kOptimizerStates));
       ZINF_ASSIGN_OR_RETURN(st.v, make_tensor(units[u], "adam_v", state_n * 4, s.optimizer_home,
                                               MemoryCategory::kOptimizerStates));
+      // Gradients are accumulated where the optimizer reads them: on the device, or in host
+      // memory when the optimizer is offloaded (to the CPU or NVMe), as DeepSpeed does.
       ZINF_ASSIGN_OR_RETURN(st.grad_acc,
                             make_tensor(units[u], "grad_acc", (s.stage <= 1 ? full : shard) * 4,
-                                        s.optimizer_home, MemoryCategory::kGradients));
+                                        compute_tier(), MemoryCategory::kGradients));
       unit_states.push_back(std::move(st));
       ZINF_RETURN_IF_ERROR(initialise(u));
     }
@@ -358,6 +367,16 @@ struct Engine::Impl {
 
   Status step(StepInfo& info) {
     ZINF_RETURN_IF_ERROR(drain_pending());
+    if (recording && !trace.empty()) {
+      recording = false;  // the first full step is the trace
+    } else if (!recording && trace_pos != trace.size()) {
+      log::warn_once("engine:trace-short", "a step gathered fewer units than the recorded one; "
+                                           "re-recording");
+      recording = true;
+      trace.clear();
+    }
+    trace_pos = 0;
+    ZINF_RETURN_IF_ERROR(finish_evictions());
     // Gradients are averaged over ranks by the reduction; here over micro-steps and the loss scale.
     const float combined =
         static_cast<float>(1.0 / (static_cast<double>(s.gradient_accumulation_steps) * scale));
@@ -409,7 +428,14 @@ struct Engine::Impl {
     }
     ++steps;
     kernels::AdamStepArgs args{.step = steps, .grad_scale = combined * coef};
-    for (size_t u = 0; u < unit_states.size(); ++u) ZINF_RETURN_IF_ERROR(update_unit(u, args));
+    // The optimizer walks the units as a pipeline: the reads of unit u+1 are in flight while u is
+    // updated, and u's write-back is in flight while u+1 is updated.
+    if (!unit_states.empty()) prefetch_optimizer(0);
+    for (size_t u = 0; u < unit_states.size(); ++u) {
+      if (u + 1 < unit_states.size()) prefetch_optimizer(u + 1);
+      ZINF_RETURN_IF_ERROR(update_unit(u, args));
+    }
+    ZINF_RETURN_IF_ERROR(finish_evictions());
     ZINF_RETURN_IF_ERROR(zero_gradients());
     if (s.stage == 1 || s.stage == 2) ZINF_RETURN_IF_ERROR(gather_updated_parameters());
     if (s.dtype == DType::kF16 && s.static_loss_scale == 0 &&
@@ -420,6 +446,47 @@ struct Engine::Impl {
     info.step = steps;
     info.loss_scale = scale;
     return Status::ok();
+  }
+
+  // Called at each gather: records the order, or follows it and prefetches the next units'
+  // parameters to the device (bounded by prefetch_units).
+  void schedule_gather(size_t u) {
+    if (recording) {
+      trace.push_back(u);
+      return;
+    }
+    if (trace_pos >= trace.size() || trace[trace_pos] != u) {
+      log::warn_once("engine:trace", "the order of unit gathers differs from the recorded step; "
+                                     "re-recording it (prefetching resumes after the next step)");
+      recording = true;
+      trace.clear();
+      trace.push_back(u);
+      return;
+    }
+    ++trace_pos;
+    if (s.param_home == Tier::kDevice) return;  // resident anyway
+    for (size_t k = 0; k < s.prefetch_units && trace_pos + k < trace.size(); ++k) {
+      const UnitState& next = unit_states[trace[trace_pos + k]];
+      store->set_next_use(next.params, steps * trace.size() + trace_pos + k);
+      store->prefetch(next.params, Tier::kDevice);
+    }
+  }
+
+  // Offloaded state does not stay above its home once used: write it back and drop the copy.
+  void release_offloaded(TensorId id, Tier home, Tier where) {
+    if (home == Tier::kNvme || (home == Tier::kHost && where == Tier::kDevice)) {
+      evictions.push_back(store->evict_async(id, where));
+    }
+  }
+
+  Status finish_evictions() {
+    Status first;
+    for (auto& f : evictions) {
+      Status st = f.get();
+      if (first.is_ok() && !st.is_ok()) first = std::move(st);
+    }
+    evictions.clear();
+    return first;
   }
 
   Status update_unit(size_t u, const kernels::AdamStepArgs& args) {
@@ -454,7 +521,27 @@ struct Engine::Impl {
     if (mixed) master.mark_dirty();
     m.mark_dirty();
     v.mark_dirty();
+    params.release();
+    master.release();
+    m.release();
+    v.release();
+    acc.release();
+    if (tier != Tier::kDevice) {
+      release_offloaded(st.m, s.optimizer_home, tier);
+      release_offloaded(st.v, s.optimizer_home, tier);
+      if (mixed) release_offloaded(st.master, s.optimizer_home, tier);
+    }
+    if (s.stage == 3) release_offloaded(st.params, s.param_home, tier);
     return Status::ok();
+  }
+
+  // Starts bringing unit u's optimizer state to where the update runs.
+  void prefetch_optimizer(size_t u) {
+    const UnitState& st = unit_states[u];
+    const Tier tier = compute_tier();
+    for (TensorId id : {st.m, st.v, st.master, st.params, st.grad_acc}) {
+      if (id != kNoTensor) store->prefetch(id, tier);
+    }
   }
 
   // Stages 1-2: every rank updated its shard of the full parameters; share them.
@@ -547,6 +634,7 @@ Result<UnitScope> Engine::gather(size_t unit) {
                       s.unit_states.size());
   }
   Impl::UnitState& st = s.unit_states[unit];
+  s.schedule_gather(unit);
   UnitScope scope;
   scope.engine_ = this;
   scope.unit_ = unit;
@@ -572,6 +660,8 @@ Result<UnitScope> Engine::gather(size_t unit) {
   }
   scope.gathered_ = std::move(full).value();
   scope.params_ = scope.gathered_.data();
+  h.release();
+  s.release_offloaded(st.params, s.s.param_home, Tier::kDevice);
   return scope;
 }
 

@@ -697,6 +697,33 @@ Status TieredTensorStore::evict(TensorId id, Tier tier) {
   }
 }
 
+std::shared_future<Status> TieredTensorStore::evict_async(TensorId id, Tier tier) {
+  Impl& s = *impl_;
+  auto promise = std::make_shared<std::promise<Status>>();
+  std::shared_future<Status> future = promise->get_future().share();
+  {
+    std::lock_guard jl(s.jobs_mu);
+    s.jobs.push_back([this, id, tier, promise] {
+      Impl& s = *impl_;
+      std::unique_lock lk(s.mu);
+      Tensor* t = s.get(id);
+      if (t == nullptr || tier == t->spec.home) {
+        promise->set_value(Status::ok());
+        return;
+      }
+      const Copy& c = t->copies[idx(tier)];
+      // Never wait here: a mover waiting for a move queued behind it would deadlock.
+      if (!c.allocated || c.pins > 0 || c.incoming || c.writing_back) {
+        promise->set_value(Status::ok());
+        return;
+      }
+      promise->set_value(s.drop(lk, id, tier));
+    });
+  }
+  s.jobs_cv.notify_one();
+  return future;
+}
+
 Status TieredTensorStore::flush(TensorId id) {
   Impl& s = *impl_;
   std::unique_lock lk(s.mu);

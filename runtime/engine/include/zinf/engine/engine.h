@@ -67,6 +67,7 @@ struct EngineSettings {
   uint64_t device_mem = 0;             // device budget in bytes; 0 = unlimited
   uint64_t host_mem = 0;               // pinned-host budget in bytes; 0 = unlimited
   uint64_t staging_bytes = 4ull << 20; // NVMe <-> device staging piece (multiple of 1 MiB)
+  size_t prefetch_units = 2;           // stage 3 offload: units prefetched ahead along the trace
   int optimizer_threads = 0;           // CPU Adam threads; 0 = all
   uint64_t seed = 0;
 };

@@ -23,6 +23,7 @@
 #pragma once
 
 #include <cstdint>
+#include <future>
 #include <memory>
 #include <string>
 #include <vector>
@@ -119,6 +120,9 @@ class TieredTensorStore {
   Result<TensorHandle> acquire(TensorId id, Tier tier);
   // Drops the copy in `tier` (not the home), writing it back first when it is the only valid one.
   Status evict(TensorId id, Tier tier);
+  // evict() on a mover thread, for copies that are neither pinned nor being filled (others are
+  // left alone: the future reports ok). The future reports a failed write-back.
+  std::shared_future<Status> evict_async(TensorId id, Tier tier);
   // Makes the home copy valid (writes back a dirty copy). flush_all() does every tensor.
   Status flush(TensorId id);
   Status flush_all();
