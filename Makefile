@@ -36,10 +36,13 @@ build: configure
 test: build
 	ctest --test-dir $(BUILD_DIR) --output-on-failure -j $(JOBS) --timeout 600
 
+# The main job: the GPT `small` preset, 2 ranks, ZeRO-3, parameters and optimizer state on NVMe
+# under ./.zinf/swap with small device/host budgets; about two minutes on 2 cores.
 run: build
-	mkdir -p .zinf/bench
-	$(ZINF) bench io --path .zinf/bench --size 1G --block-size 1M --queue-depth 32 --rw write
-	$(ZINF) bench io --path .zinf/bench --size 1G --block-size 1M --queue-depth 32 --rw read
+	mkdir -p .zinf/swap
+	$(ZINF) train --model small --ranks 2 --stage 3 \
+	  --offload-param nvme --offload-optimizer nvme --nvme-path .zinf/swap \
+	  --device-mem 64M --host-mem 64M --batch 8 --steps 1200 --lr 6e-3 --sample 400
 
 bench: build
 	bash bench/run_all.sh $(BUILD_DIR)
