@@ -10,6 +10,7 @@
 
 #include "command.h"
 #include "zinf/core/units.h"
+#include "zinf/engine/settings.h"
 #include "zinf/gpt/trainer.h"
 
 namespace zinf::cli {
@@ -32,6 +33,7 @@ struct Args {
   std::string device_mem, host_mem;
   int grad_accum = 1;
   double clip = 1.0;
+  std::string config;
   std::string trace, log_json, export_path;
   int sample = 0;
   bool quiet = false;
@@ -70,7 +72,8 @@ void print_memory_table(const gpt::TrainReport& r, DType dtype) {
   }
 }
 
-void run(const Args& a) {
+void run(const Args& a, const CLI::App& sub) {
+  auto given = [&](const char* flag) { return sub.count(flag) > 0; };
   gpt::TrainOptions o;
   auto preset = gpt::preset(a.model);
   if (!preset.is_ok()) throw CliError(preset.status().message(), 2);
@@ -90,27 +93,51 @@ void run(const Args& a) {
   o.export_path = a.export_path;
   o.log_json = a.log_json;
   EngineSettings& e = o.engine;
-  e.stage = a.stage;
-  if (a.stage < 0 || a.stage > 3) throw CliError("--stage must be 0..3", 2);
-  auto dt = parse_dtype(a.dtype);
-  if (!dt) throw CliError("--dtype must be fp32, bf16 or fp16, got '" + a.dtype + "'", 2);
-  e.dtype = *dt;
-  e.adam.lr = static_cast<float>(a.lr);
-  e.adam.weight_decay = 0.01f;
-  e.gradient_clipping = static_cast<float>(a.clip);
-  e.gradient_accumulation_steps = a.grad_accum;
-  e.param_home = parse_offload("--offload-param", a.offload_param);
-  e.optimizer_home = parse_offload("--offload-optimizer", a.offload_optimizer);
-  if (e.param_home != Tier::kDevice && e.stage != 3) {
-    throw CliError("--offload-param needs --stage 3", 2);
+  // A DeepSpeed JSON config sets the defaults; flags given on the command line win.
+  bool from_config = !a.config.empty();
+  if (from_config) {
+    auto cfg = config::load_config(a.config);
+    if (!cfg.is_ok()) throw CliError(cfg.status().detail(), 2);
+    int world = o.mpi ? std::atoi(std::getenv("OMPI_COMM_WORLD_SIZE")) : o.ranks;
+    if (Status s = config::resolve_batch_sizes(*cfg, world); !s.is_ok()) {
+      throw CliError(s.detail(), 2);
+    }
+    if (Status s = config::validate(*cfg, world); !s.is_ok()) throw CliError(s.detail(), 2);
+    auto settings = settings_from_config(*cfg);
+    if (!settings.is_ok()) throw CliError(settings.status().detail(), 2);
+    e = *settings;
+    if (!given("--batch")) o.batch = static_cast<int>(cfg->train_micro_batch_size_per_gpu);
+    if (!given("--seed") && cfg->zinf.seed) o.seed = cfg->zinf.seed;  // zinf.seed in the config
+  } else {
+    e.adam.weight_decay = 0.01f;
   }
-  e.nvme_paths = a.nvme_paths;
+  if (!from_config || given("--stage")) e.stage = a.stage;
+  if (e.stage < 0 || e.stage > 3) throw CliError("--stage must be 0..3", 2);
+  if (!from_config || given("--dtype")) {
+    auto dt = parse_dtype(a.dtype);
+    if (!dt) throw CliError("--dtype must be fp32, bf16 or fp16, got '" + a.dtype + "'", 2);
+    e.dtype = *dt;
+  }
+  if (!from_config || given("--lr")) e.adam.lr = static_cast<float>(a.lr);
+  if (!from_config || given("--clip")) e.gradient_clipping = static_cast<float>(a.clip);
+  if (!from_config || given("--grad-accum")) e.gradient_accumulation_steps = a.grad_accum;
+  if (!from_config || given("--offload-param")) {
+    e.param_home = parse_offload("--offload-param", a.offload_param);
+  }
+  if (!from_config || given("--offload-optimizer")) {
+    e.optimizer_home = parse_offload("--offload-optimizer", a.offload_optimizer);
+  }
+  if (e.param_home != Tier::kDevice && e.stage != 3) {
+    throw CliError("parameter offload needs ZeRO stage 3", 2);
+  }
+  if (!from_config || given("--nvme-path")) e.nvme_paths = a.nvme_paths;
   for (const std::string& p : e.nvme_paths) {
-    if (::access(p.c_str(), W_OK) != 0) std::filesystem::create_directories(p);
+    std::error_code ec;
+    std::filesystem::create_directories(p, ec);
   }
   if (!a.device_mem.empty()) e.device_mem = bytes_arg("--device-mem", a.device_mem);
   if (!a.host_mem.empty()) e.host_mem = bytes_arg("--host-mem", a.host_mem);
-  e.seed = a.seed;
+  e.seed = o.seed;  // one seed for the initialisation, the data order and the sample
   if (Status s = gpt::check_train_options(o); !s.is_ok()) throw CliError(s.detail(), 2);
 
   const bool tty = ::isatty(STDERR_FILENO) && !a.quiet;
@@ -175,6 +202,9 @@ const Registration kTrain{
     "", "train", "Train the GPT example through the Engine (ZeRO stages 0-3, CPU/NVMe offload)",
     [](CLI::App& sub) {
       auto a = std::make_shared<Args>();
+      sub.add_option("--config", a->config,
+                     "DeepSpeed JSON config (zero_optimization, optimizer, fp16/bf16, aio, ...); "
+                     "flags given here win");
       sub.add_option("--model", a->model, "Preset: tiny, small, gpt2-124m, 1b, 2b (default small)");
       sub.add_option("--layers", a->layers, "Override the number of blocks");
       sub.add_option("--dim", a->dim, "Override the model width");
@@ -199,7 +229,7 @@ const Registration kTrain{
       sub.add_option("--export", a->export_path, "Write the final fp32 weights (.safetensors)");
       sub.add_option("--sample", a->sample, "Generate this many bytes of text at the end");
       sub.add_flag("--quiet", a->quiet, "Print nothing but errors");
-      sub.callback([a] { run(*a); });
+      sub.callback([a, &sub] { run(*a, sub); });
     }};
 
 }  // namespace

@@ -8,6 +8,10 @@ function(zinf_library name)
     $<BUILD_INTERFACE:${CMAKE_CURRENT_SOURCE_DIR}/include>
     $<INSTALL_INTERFACE:include>)
   target_link_libraries(${name} PUBLIC ${ARG_PUBLIC_DEPS} PRIVATE ${ARG_PRIVATE_DEPS})
+  # `cmake --install` puts the library and its headers in the prefix; find_package(zinf) finds
+  # them through the zinfTargets export (zinf::<name>, and zinf::zinf for everything).
+  install(TARGETS ${name} EXPORT zinfTargets ARCHIVE DESTINATION lib LIBRARY DESTINATION lib)
+  install(DIRECTORY ${CMAKE_CURRENT_SOURCE_DIR}/include/ DESTINATION include)
 endfunction()
 
 # zinf_test(NAME SOURCES ... DEPS ... LABELS ...)

@@ -155,9 +155,12 @@ struct Engine::Impl {
         {.budget_bytes = s.device_mem ? s.device_mem : kUnlimited, .ledger = &ledger});
     bool nvme = s.param_home == Tier::kNvme || s.optimizer_home == Tier::kNvme;
     if (nvme) {
-      ZINF_ASSIGN_OR_RETURN(io, io::IoEngine::create({.queue_depth = 32, .block_size = 1 << 20}));
+      ZINF_ASSIGN_OR_RETURN(io, io::IoEngine::create({.queue_depth = s.io_queue_depth,
+                                                      .block_size = s.io_block_size,
+                                                      .rings = s.io_rings}));
       std::vector<std::string> dirs = s.nvme_paths;
-      ZINF_ASSIGN_OR_RETURN(swap, io::SwapSpace::create(*io, {.directories = dirs}));
+      ZINF_ASSIGN_OR_RETURN(swap, io::SwapSpace::create(*io, {.directories = dirs,
+                                                              .checksum = s.checksum}));
     }
     pool = std::make_unique<PinnedPool>(PinnedPoolOptions{
         .budget_bytes = s.host_mem ? s.host_mem : kUnlimited,

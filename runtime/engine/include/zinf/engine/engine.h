@@ -68,6 +68,10 @@ struct EngineSettings {
   uint64_t host_mem = 0;               // pinned-host budget in bytes; 0 = unlimited
   uint64_t staging_bytes = 4ull << 20; // NVMe <-> device staging piece (multiple of 1 MiB)
   size_t prefetch_units = 2;           // stage 3 offload: units prefetched ahead along the trace
+  bool checksum = false;               // XXH3 per swapped 1 MiB block, verified on read
+  uint32_t io_queue_depth = 32;        // aio.queue_depth
+  uint64_t io_block_size = 1 << 20;    // aio.block_size
+  uint32_t io_rings = 1;               // aio.intra_op_parallelism
   int optimizer_threads = 0;           // CPU Adam threads; 0 = all
   uint64_t seed = 0;
 };

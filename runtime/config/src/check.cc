@@ -1,0 +1,190 @@
+#include "check.h"
+
+#include <string>
+
+namespace zinf::config::detail {
+namespace {
+
+template <typename... Args>
+Status invalid(fmt::format_string<Args...> f, Args&&... args) {
+  return make_error(ErrorCode::kInvalidArgument, f, std::forward<Args>(args)...);
+}
+
+Status check_batch(const Config& c) {
+  if (c.train_batch_size < 0) {
+    return invalid("train_batch_size: expected a positive integer, got {}", c.train_batch_size);
+  }
+  if (c.train_micro_batch_size_per_gpu < 0) {
+    return invalid("train_micro_batch_size_per_gpu: expected a positive integer, got {}",
+                   c.train_micro_batch_size_per_gpu);
+  }
+  if (c.gradient_accumulation_steps < 0) {
+    return invalid("gradient_accumulation_steps: expected a positive integer, got {}",
+                   c.gradient_accumulation_steps);
+  }
+  // 0 means "derive from train_batch_size", which needs train_batch_size.
+  if (c.train_batch_size == 0 &&
+      (c.train_micro_batch_size_per_gpu == 0 || c.gradient_accumulation_steps == 0)) {
+    return invalid(
+        "{}: expected a positive integer (it can be left out only when train_batch_size is "
+        "given), got 0",
+        c.train_micro_batch_size_per_gpu == 0 ? "train_micro_batch_size_per_gpu"
+                                              : "gradient_accumulation_steps");
+  }
+  return Status::ok();
+}
+
+Status check_optimizer(const OptimizerConfig& o) {
+  if (!(o.lr >= 0)) return invalid("optimizer.params.lr: expected a number >= 0, got {}", o.lr);
+  if (!(o.beta1 >= 0 && o.beta1 < 1) || !(o.beta2 >= 0 && o.beta2 < 1)) {
+    return invalid("optimizer.params.betas: expected two numbers in [0, 1), got [{}, {}]", o.beta1,
+                   o.beta2);
+  }
+  if (!(o.eps > 0)) return invalid("optimizer.params.eps: expected a number > 0, got {}", o.eps);
+  if (!(o.weight_decay >= 0)) {
+    return invalid("optimizer.params.weight_decay: expected a number >= 0, got {}", o.weight_decay);
+  }
+  if (o.type == OptimizerConfig::Type::kAdamW && !o.adam_w_mode) {
+    return invalid(
+        "optimizer.params.adam_w_mode: AdamW always decays weights decoupled; expected true, or "
+        "type Adam for L2 decay");
+  }
+  return Status::ok();
+}
+
+Status check_precision(const Config& c) {
+  const Fp16Config& f = c.fp16;
+  if (f.enabled && c.bf16) {
+    return invalid(
+        "fp16.enabled and bf16.enabled: only one 16-bit working precision can be enabled, both "
+        "are true");
+  }
+  if (!(f.loss_scale >= 0)) {
+    return invalid("fp16.loss_scale: expected a number >= 0 (0 = dynamic), got {}", f.loss_scale);
+  }
+  if (f.initial_scale_power < 0 || f.initial_scale_power > 127) {
+    return invalid("fp16.initial_scale_power: expected an integer in 0..127, got {}",
+                   f.initial_scale_power);
+  }
+  if (f.loss_scale_window < 1) {
+    return invalid("fp16.loss_scale_window: expected an integer >= 1, got {}", f.loss_scale_window);
+  }
+  if (f.hysteresis < 1) {
+    return invalid("fp16.hysteresis: expected an integer >= 1, got {}", f.hysteresis);
+  }
+  if (!(f.min_loss_scale > 0)) {
+    return invalid("fp16.min_loss_scale: expected a number > 0, got {}", f.min_loss_scale);
+  }
+  return Status::ok();
+}
+
+// The rules of one offload block; `block` is "offload_param" or "offload_optimizer".
+Status check_offload(const OffloadConfig& o, std::string_view block, int stage) {
+  std::string path = fmt::format("zero_optimization.{}", block);
+  bool is_param = block == "offload_param";
+  if (o.device == OffloadDevice::kNvme && o.nvme_path.empty()) {
+    return invalid(
+        "{}.nvme_path: device is \"nvme\", expected a directory on the NVMe file system (or a "
+        "list of them), got none",
+        path);
+  }
+  for (size_t i = 0; i < o.nvme_path.size(); ++i) {
+    if (o.nvme_path[i].empty()) {
+      return invalid("{}.nvme_path[{}]: expected a non-empty directory path, got \"\"", path, i);
+    }
+  }
+  if (o.buffer_count < 1) {
+    return invalid("{}.buffer_count: expected an integer >= 1, got {}", path, o.buffer_count);
+  }
+  if (is_param && o.buffer_size == 0) {
+    return invalid("{}.buffer_size: expected a positive number of elements, got 0", path);
+  }
+  if (!is_param && !(o.ratio > 0 && o.ratio <= 1)) {
+    return invalid("{}.ratio: expected a fraction in (0, 1], got {}", path, o.ratio);
+  }
+  if (!o.enabled()) return Status::ok();
+  if (is_param && stage < 3) {
+    return invalid(
+        "{}.device: parameter offload needs zero_optimization.stage 3, got device \"{}\" with "
+        "stage {}",
+        path, offload_device_name(o.device), stage);
+  }
+  if (!is_param && stage < 1) {
+    return invalid(
+        "{}.device: optimizer offload needs zero_optimization.stage 1, 2 or 3, got device \"{}\" "
+        "with stage {}",
+        path, offload_device_name(o.device), stage);
+  }
+  if (!is_param && o.ratio < 1 && stage != 3) {
+    return invalid(
+        "{}.ratio: partial optimizer offload (ratio < 1) needs zero_optimization.stage 3, got "
+        "ratio {} with stage {}",
+        path, o.ratio, stage);
+  }
+  return Status::ok();
+}
+
+Status check_zero(const ZeroConfig& z) {
+  if (z.stage < 0 || z.stage > 3) {
+    return invalid("zero_optimization.stage: expected an integer in 0..3, got {}", z.stage);
+  }
+  if (z.reduce_bucket_size == 0) {
+    return invalid(
+        "zero_optimization.reduce_bucket_size: expected a positive number of "
+        "elements, got 0");
+  }
+  if (z.allgather_bucket_size == 0) {
+    return invalid(
+        "zero_optimization.allgather_bucket_size: expected a positive number of "
+        "elements, got 0");
+  }
+  ZINF_RETURN_IF_ERROR(check_offload(z.offload_param, "offload_param", z.stage));
+  ZINF_RETURN_IF_ERROR(check_offload(z.offload_optimizer, "offload_optimizer", z.stage));
+  return Status::ok();
+}
+
+Status check_aio(const AioConfig& a) {
+  constexpr uint64_t kBlockAlignment = 4096;
+  if (a.block_size == 0 || a.block_size % kBlockAlignment != 0) {
+    return invalid("aio.block_size: expected a positive multiple of 4096 bytes, got {}",
+                   a.block_size);
+  }
+  if (a.queue_depth < 1) {
+    return invalid("aio.queue_depth: expected an integer >= 1, got {}", a.queue_depth);
+  }
+  if (a.intra_op_parallelism < 1) {
+    return invalid("aio.intra_op_parallelism: expected an integer >= 1, got {}",
+                   a.intra_op_parallelism);
+  }
+  return Status::ok();
+}
+
+Status check_zinf(const ZinfConfig& z) {
+  constexpr uint64_t kStagingAlignment = 1ull << 20;
+  if (z.staging_bytes == 0 || z.staging_bytes % kStagingAlignment != 0) {
+    return invalid("zinf.staging_bytes: expected a positive multiple of 1 MiB (1048576), got {}",
+                   z.staging_bytes);
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+Status check_config(const Config& c) {
+  ZINF_RETURN_IF_ERROR(check_batch(c));
+  if (!(c.gradient_clipping >= 0)) {
+    return invalid("gradient_clipping: expected a number >= 0 (0 = no clipping), got {}",
+                   c.gradient_clipping);
+  }
+  ZINF_RETURN_IF_ERROR(check_optimizer(c.optimizer));
+  ZINF_RETURN_IF_ERROR(check_precision(c));
+  ZINF_RETURN_IF_ERROR(check_zero(c.zero));
+  ZINF_RETURN_IF_ERROR(check_aio(c.aio));
+  ZINF_RETURN_IF_ERROR(check_zinf(c.zinf));
+  if (!c.scheduler.is_null() && !c.scheduler.is_object()) {
+    return invalid("scheduler: expected an object, got a {}", c.scheduler.type_name());
+  }
+  return Status::ok();
+}
+
+}  // namespace zinf::config::detail

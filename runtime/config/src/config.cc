@@ -1,0 +1,579 @@
+// Reading DeepSpeed-format JSON into a Config: keys, types, aliases, DeepSpeed's dynamic defaults.
+// Value rules live in check.cc; the batch-size relation, which needs the world size, is here.
+#include "zinf/config/config.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <functional>
+#include <optional>
+#include <set>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "check.h"
+#include "json_reader.h"
+#include "zinf/core/log.h"
+
+namespace zinf::config {
+
+using detail::Auto;
+using detail::ObjectReader;
+using detail::ParseState;
+using nlohmann::json;
+
+std::string_view offload_device_name(OffloadDevice d) {
+  switch (d) {
+    case OffloadDevice::kNone:
+      return "none";
+    case OffloadDevice::kCpu:
+      return "cpu";
+    case OffloadDevice::kNvme:
+      return "nvme";
+  }
+  return "none";
+}
+
+std::string_view optimizer_type_name(OptimizerConfig::Type t) {
+  return t == OptimizerConfig::Type::kAdamW ? "AdamW" : "Adam";
+}
+
+DType Config::working_dtype() const {
+  if (fp16.enabled) return DType::kF16;
+  if (bf16) return DType::kBF16;
+  return DType::kF32;
+}
+
+namespace {
+
+std::string lower(std::string_view s) {
+  std::string out(s);
+  std::transform(out.begin(), out.end(), out.begin(),
+                 [](unsigned char ch) { return static_cast<char>(std::tolower(ch)); });
+  return out;
+}
+
+// Reads `key` or DeepSpeed's other name for it, `alias` (giving both is an error).
+template <typename T>
+Status read_aliased(ObjectReader& r, std::string_view key, std::string_view alias, T& out) {
+  bool has_key = r.find(key) != nullptr;
+  bool has_alias = r.find(alias) != nullptr;
+  if (has_key && has_alias) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "{} and {}: two names for one setting; expected only one of them",
+                      r.key_path(key), r.key_path(alias));
+  }
+  std::string_view name = has_alias ? alias : key;
+  if constexpr (std::is_same_v<T, int>) {
+    return r.read_int(name, out);
+  } else {
+    return r.read_uint(name, out);
+  }
+}
+
+Status read_offload_device(ObjectReader& r, OffloadDevice& out) {
+  const json* v = r.find("device");
+  if (v == nullptr) return Status::ok();
+  constexpr std::string_view kWhat = R"(one of "none", "cpu", "nvme")";
+  if (!v->is_string()) return detail::type_error(r.key_path("device"), kWhat, *v);
+  std::string name = lower(v->get_ref<const std::string&>());
+  if (name == "none") {
+    out = OffloadDevice::kNone;
+  } else if (name == "cpu") {
+    out = OffloadDevice::kCpu;
+  } else if (name == "nvme") {
+    out = OffloadDevice::kNvme;
+  } else {
+    return detail::type_error(r.key_path("device"), kWhat, *v);
+  }
+  return Status::ok();
+}
+
+Status read_nvme_path(ObjectReader& r, std::vector<std::string>& out) {
+  const json* v = r.find("nvme_path");
+  if (v == nullptr) return Status::ok();
+  constexpr std::string_view kWhat = "a directory path or a list of directory paths";
+  if (v->is_string()) {
+    out = {v->get<std::string>()};
+    return Status::ok();
+  }
+  if (!v->is_array()) return detail::type_error(r.key_path("nvme_path"), kWhat, *v);
+  out.clear();
+  for (size_t i = 0; i < v->size(); ++i) {
+    const json& entry = (*v)[i];
+    if (!entry.is_string()) {
+      return detail::type_error(fmt::format("{}[{}]", r.key_path("nvme_path"), i),
+                                "a directory path (a string)", entry);
+    }
+    out.push_back(entry.get<std::string>());
+  }
+  return Status::ok();
+}
+
+// offload_param and offload_optimizer: each accepts the keys DeepSpeed defines for it.
+Status read_offload(ObjectReader& r, bool is_param, OffloadConfig& o) {
+  ZINF_RETURN_IF_ERROR(read_offload_device(r, o.device));
+  ZINF_RETURN_IF_ERROR(read_nvme_path(r, o.nvme_path));
+  ZINF_RETURN_IF_ERROR(r.read_int("buffer_count", o.buffer_count));
+  ZINF_RETURN_IF_ERROR(r.read_bool("pin_memory", o.pin_memory));
+  if (is_param) {
+    ZINF_RETURN_IF_ERROR(r.read_uint("buffer_size", o.buffer_size));
+    ZINF_RETURN_IF_ERROR(r.read_uint("max_in_cpu", o.max_in_cpu));
+  } else {
+    ZINF_RETURN_IF_ERROR(r.read_bool("pipeline_read", o.pipeline_read));
+    ZINF_RETURN_IF_ERROR(r.read_bool("pipeline_write", o.pipeline_write));
+    ZINF_RETURN_IF_ERROR(r.read_bool("fast_init", o.fast_init));
+    ZINF_RETURN_IF_ERROR(r.read_double("ratio", o.ratio));
+    r.ignore({"pipeline"});  // DeepSpeed derives it: pipeline_read || pipeline_write
+  }
+  r.finish();
+  return Status::ok();
+}
+
+// Deprecated DeepSpeed switches "cpu_offload" / "cpu_offload_param": true means device "cpu".
+Status read_deprecated_offload(ObjectReader& z, std::string_view old_key, std::string_view new_key,
+                               OffloadConfig& o) {
+  bool on = false;
+  ZINF_RETURN_IF_ERROR(z.read_bool(old_key, on));
+  if (!z.given(old_key)) return Status::ok();
+  if (z.given(new_key)) {
+    return make_error(ErrorCode::kInvalidArgument, "{} (deprecated) and {}: expected only {}",
+                      z.key_path(old_key), z.key_path(new_key), z.key_path(new_key));
+  }
+  log::warn("config: {} is deprecated in DeepSpeed; use {} {{\"device\": \"cpu\"}}",
+            z.key_path(old_key), z.key_path(new_key));
+  if (on) o.device = OffloadDevice::kCpu;
+  return Status::ok();
+}
+
+Status read_zero(ObjectReader& z, ZeroConfig& c) {
+  {
+    constexpr std::string_view kWhat = "an integer in 0..3";
+    ZINF_ASSIGN_OR_RETURN(const json* stage, z.value("stage", Auto::kRefused, kWhat));
+    if (stage != nullptr) {
+      std::optional<int64_t> s = detail::as_int(*stage, 0, 3);
+      if (!s) return detail::type_error(z.key_path("stage"), kWhat, *stage);
+      c.stage = static_cast<int>(*s);
+    }
+  }
+  ZINF_RETURN_IF_ERROR(z.read_bool("contiguous_gradients", c.contiguous_gradients));
+  c.overlap_comm = c.stage == 3;  // DeepSpeed's default when the key is absent
+  ZINF_RETURN_IF_ERROR(z.read_bool("overlap_comm", c.overlap_comm));
+  ZINF_RETURN_IF_ERROR(z.read_bool("reduce_scatter", c.reduce_scatter));
+  ZINF_RETURN_IF_ERROR(z.read_uint("reduce_bucket_size", c.reduce_bucket_size));
+  ZINF_RETURN_IF_ERROR(z.read_bool("allgather_partitions", c.allgather_partitions));
+  ZINF_RETURN_IF_ERROR(z.read_uint("allgather_bucket_size", c.allgather_bucket_size));
+  ZINF_RETURN_IF_ERROR(z.read_uint("sub_group_size", c.sub_group_size));
+  ZINF_RETURN_IF_ERROR(read_aliased(z, "stage3_prefetch_bucket_size", "prefetch_bucket_size",
+                                    c.stage3_prefetch_bucket_size));
+  ZINF_RETURN_IF_ERROR(read_aliased(z, "stage3_param_persistence_threshold",
+                                    "param_persistence_threshold",
+                                    c.stage3_param_persistence_threshold));
+  ZINF_RETURN_IF_ERROR(read_aliased(z, "stage3_max_live_parameters", "max_live_parameters",
+                                    c.stage3_max_live_parameters));
+  ZINF_RETURN_IF_ERROR(read_aliased(z, "stage3_max_reuse_distance", "max_reuse_distance",
+                                    c.stage3_max_reuse_distance));
+
+  ZINF_ASSIGN_OR_RETURN(auto param, z.object("offload_param"));
+  if (param) ZINF_RETURN_IF_ERROR(read_offload(*param, /*is_param=*/true, c.offload_param));
+  ZINF_ASSIGN_OR_RETURN(auto optim, z.object("offload_optimizer"));
+  if (optim) ZINF_RETURN_IF_ERROR(read_offload(*optim, /*is_param=*/false, c.offload_optimizer));
+  ZINF_RETURN_IF_ERROR(
+      read_deprecated_offload(z, "cpu_offload", "offload_optimizer", c.offload_optimizer));
+  ZINF_RETURN_IF_ERROR(
+      read_deprecated_offload(z, "cpu_offload_param", "offload_param", c.offload_param));
+
+  // DeepSpeed keys accepted with no effect in zinf (docs/configuration.md says why for each).
+  z.ignore({"round_robin_gradients", "stage3_gather_16bit_weights_on_model_save",
+            "gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+            "memory_efficient_linear", "load_from_fp32_weights", "elastic_checkpoint",
+            "ignore_unused_parameters", "use_multi_rank_bucket_allreduce", "legacy_stage1",
+            "stage3_model_persistence_threshold", "model_persistence_threshold",
+            "cpu_offload_use_pin_memory", "override_module_apply", "log_trace_cache_warnings",
+            "pipeline_loading_checkpoint", "enable_sanity_checks",
+            "stage3_module_granularity_threshold"});
+  z.finish();
+  return Status::ok();
+}
+
+Status read_optimizer(ObjectReader& r, OptimizerConfig& o) {
+  const json* type = r.find("type");
+  constexpr std::string_view kSupported = "one of the supported optimizers: Adam, AdamW";
+  if (type == nullptr) {
+    return make_error(ErrorCode::kInvalidArgument, "{}: missing; expected {}", r.key_path("type"),
+                      kSupported);
+  }
+  if (!type->is_string()) return detail::type_error(r.key_path("type"), kSupported, *type);
+  std::string name = lower(type->get_ref<const std::string&>());
+  if (name == "adam") {
+    o.type = OptimizerConfig::Type::kAdam;
+  } else if (name == "adamw") {
+    o.type = OptimizerConfig::Type::kAdamW;
+  } else {
+    return make_error(ErrorCode::kInvalidArgument, "{}: unsupported optimizer \"{}\"; expected {}",
+                      r.key_path("type"), type->get_ref<const std::string&>(), kSupported);
+  }
+
+  ZINF_ASSIGN_OR_RETURN(auto params, r.object("params"));
+  if (params) {
+    ObjectReader& p = *params;
+    ZINF_RETURN_IF_ERROR(p.read_float("lr", o.lr));
+    ZINF_RETURN_IF_ERROR(p.read_float("eps", o.eps));
+    ZINF_RETURN_IF_ERROR(p.read_float("weight_decay", o.weight_decay));
+    ZINF_RETURN_IF_ERROR(p.read_bool("bias_correction", o.bias_correction));
+    ZINF_RETURN_IF_ERROR(p.read_bool("adam_w_mode", o.adam_w_mode));
+    if (o.type == OptimizerConfig::Type::kAdamW && !o.adam_w_mode) {
+      // DeepSpeed: AdamW is decoupled whatever adam_w_mode says. Follow it, and say so.
+      log::warn(
+          "config: {} is false but type is AdamW, which always decays weights decoupled "
+          "(as DeepSpeed); use type Adam for L2 weight decay",
+          p.key_path("adam_w_mode"));
+      o.adam_w_mode = true;
+    }
+    bool amsgrad = false;
+    ZINF_RETURN_IF_ERROR(p.read_bool("amsgrad", amsgrad));
+    if (amsgrad) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "{}: zinf does not implement AMSGrad; expected false, got true",
+                        p.key_path("amsgrad"));
+    }
+    constexpr std::string_view kBetas = "an array of two numbers in [0, 1)";
+    ZINF_ASSIGN_OR_RETURN(const json* betas, p.value("betas", Auto::kAllowed, kBetas));
+    if (betas != nullptr) {
+      if (!betas->is_array() || betas->size() != 2 || !(*betas)[0].is_number() ||
+          !(*betas)[1].is_number()) {
+        return detail::type_error(p.key_path("betas"), kBetas, *betas);
+      }
+      double beta1 = (*betas)[0].get<double>();
+      double beta2 = (*betas)[1].get<double>();
+      if (!(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1)) {
+        return detail::type_error(p.key_path("betas"), kBetas, *betas);
+      }
+      o.beta1 = static_cast<float>(beta1);
+      o.beta2 = static_cast<float>(beta2);
+    }
+    p.ignore({"torch_adam"});  // which PyTorch class DeepSpeed uses; same arithmetic
+    p.finish();
+  }
+  r.finish();
+  return Status::ok();
+}
+
+Status read_fp16(ObjectReader& r, Fp16Config& f) {
+  ZINF_RETURN_IF_ERROR(r.read_bool("enabled", f.enabled));
+  ZINF_RETURN_IF_ERROR(r.read_float("loss_scale", f.loss_scale));
+  ZINF_RETURN_IF_ERROR(r.read_int("initial_scale_power", f.initial_scale_power));
+  ZINF_RETURN_IF_ERROR(r.read_int("loss_scale_window", f.loss_scale_window));
+  ZINF_RETURN_IF_ERROR(r.read_int("hysteresis", f.hysteresis));
+  ZINF_RETURN_IF_ERROR(r.read_float("min_loss_scale", f.min_loss_scale));
+  r.ignore({"auto_cast", "consecutive_hysteresis"});
+  r.finish();
+  return Status::ok();
+}
+
+Status read_aio(ObjectReader& r, AioConfig& a) {
+  ZINF_RETURN_IF_ERROR(r.read_uint("block_size", a.block_size));
+  ZINF_RETURN_IF_ERROR(r.read_int("queue_depth", a.queue_depth));
+  ZINF_RETURN_IF_ERROR(
+      read_aliased(r, "intra_op_parallelism", "thread_count", a.intra_op_parallelism));
+  ZINF_RETURN_IF_ERROR(r.read_bool("single_submit", a.single_submit));
+  ZINF_RETURN_IF_ERROR(r.read_bool("overlap_events", a.overlap_events));
+  ZINF_RETURN_IF_ERROR(r.read_bool("use_gds", a.use_gds));
+  r.finish();
+  return Status::ok();
+}
+
+Status read_zinf(ObjectReader& r, ZinfConfig& z) {
+  ZINF_RETURN_IF_ERROR(r.read_bytes("device_mem", z.device_mem));
+  ZINF_RETURN_IF_ERROR(r.read_bytes("host_mem", z.host_mem));
+  ZINF_RETURN_IF_ERROR(r.read_string("trace", z.trace));
+  ZINF_RETURN_IF_ERROR(r.read_uint("seed", z.seed));
+  ZINF_RETURN_IF_ERROR(r.read_bool("checksum", z.checksum));
+  ZINF_RETURN_IF_ERROR(r.read_bytes("staging_bytes", z.staging_bytes));
+  r.finish();
+  return Status::ok();
+}
+
+// train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps: given values
+// must be positive; when train_batch_size is given, the ones left out become 0 ("derive").
+Status read_batch(ObjectReader& top, Config& c) {
+  struct Key {
+    std::string_view name;
+    int64_t* field;
+    bool given;
+  };
+  Key keys[] = {{"train_batch_size", &c.train_batch_size, false},
+                {"train_micro_batch_size_per_gpu", &c.train_micro_batch_size_per_gpu, false},
+                {"gradient_accumulation_steps", &c.gradient_accumulation_steps, false}};
+  for (Key& k : keys) {
+    k.given = top.given(k.name);
+    ZINF_RETURN_IF_ERROR(top.read_int(k.name, *k.field));
+    if (k.given && *k.field < 1) {
+      return make_error(ErrorCode::kInvalidArgument, "{}: expected a positive integer, got {}",
+                        k.name, *k.field);
+    }
+  }
+  bool batch_given = keys[0].given, micro_given = keys[1].given, accum_given = keys[2].given;
+  if (batch_given) {
+    // As DeepSpeed: with only train_batch_size, accumulation is 1 and the micro batch derived.
+    if (!micro_given) c.train_micro_batch_size_per_gpu = 0;
+    if (!accum_given) c.gradient_accumulation_steps = micro_given ? 0 : 1;
+  }
+  return Status::ok();
+}
+
+// Runs `read` on the nested object `key` of `r` when it is present.
+template <typename Fn>
+Status read_block(ObjectReader& r, std::string_view key, Fn&& read) {
+  ZINF_ASSIGN_OR_RETURN(std::optional<ObjectReader> block, r.object(key));
+  if (!block) return Status::ok();
+  return read(*block);
+}
+
+Status read_top(ObjectReader& top, Config& c) {
+  ZINF_RETURN_IF_ERROR(read_batch(top, c));
+  ZINF_RETURN_IF_ERROR(top.read_float("gradient_clipping", c.gradient_clipping));
+  ZINF_RETURN_IF_ERROR(read_block(top, "optimizer",
+                                  [&](ObjectReader& r) { return read_optimizer(r, c.optimizer); }));
+  if (const json* scheduler = top.find("scheduler"); scheduler != nullptr) {
+    if (!scheduler->is_object()) return detail::type_error("scheduler", "an object", *scheduler);
+    c.scheduler = *scheduler;
+  }
+  ZINF_RETURN_IF_ERROR(
+      read_block(top, "fp16", [&](ObjectReader& r) { return read_fp16(r, c.fp16); }));
+
+  // "bfloat16" is DeepSpeed's older name of the "bf16" block.
+  if (top.find("bf16") != nullptr && top.find("bfloat16") != nullptr) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "bf16 and bfloat16: two names for one block; expected only one of them");
+  }
+  for (std::string_view name : {"bf16", "bfloat16"}) {
+    ZINF_RETURN_IF_ERROR(read_block(top, name, [&](ObjectReader& r) {
+      ZINF_RETURN_IF_ERROR(r.read_bool("enabled", c.bf16));
+      r.ignore({"immediate_grad_update", "check_grad_overflow"});
+      r.finish();
+      return Status::ok();
+    }));
+  }
+
+  ZINF_RETURN_IF_ERROR(
+      read_block(top, "zero_optimization", [&](ObjectReader& r) { return read_zero(r, c.zero); }));
+  ZINF_RETURN_IF_ERROR(read_block(top, "aio", [&](ObjectReader& r) { return read_aio(r, c.aio); }));
+  ZINF_RETURN_IF_ERROR(
+      read_block(top, "zinf", [&](ObjectReader& r) { return read_zinf(r, c.zinf); }));
+
+  // DeepSpeed keys accepted with no effect in zinf: logging, monitoring, and the gradient
+  // averaging options zinf does in its own fixed way (docs/configuration.md).
+  top.ignore({"steps_per_print", "wall_clock_breakdown", "dump_state", "memory_breakdown",
+              "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
+              "gradient_predivide_factor", "prescale_gradients", "communication_data_type",
+              "sparse_gradients", "tensorboard", "wandb", "csv_monitor", "comms_logger",
+              "flops_profiler", "timers", "dataloader_drop_last"});
+  top.finish();
+  return Status::ok();
+}
+
+// Duplicate keys are an error, as in DeepSpeed (its loader refuses them); nlohmann::json would
+// silently keep the last. The parser callback sees every key; the first duplicate is remembered.
+class DuplicateKeyFinder {
+ public:
+  bool operator()(int /*depth*/, json::parse_event_t event, json& parsed) {
+    switch (event) {
+      case json::parse_event_t::object_start:
+        frames_.push_back({path_of_child(), {}, {}});
+        break;
+      case json::parse_event_t::array_start:
+        frames_.push_back({path_of_child(), {}, {}, /*is_array=*/true});
+        break;
+      case json::parse_event_t::object_end:
+      case json::parse_event_t::array_end:
+        if (!frames_.empty()) frames_.pop_back();
+        if (!frames_.empty()) frames_.back().value_done();
+        break;
+      case json::parse_event_t::key: {
+        Frame& f = frames_.back();
+        const std::string& key = parsed.get_ref<const std::string&>();
+        if (!f.keys.insert(key).second && duplicate_.empty()) {
+          duplicate_ = detail::join_path(f.path, key);
+        }
+        f.last_key = key;
+        break;
+      }
+      case json::parse_event_t::value:
+        if (!frames_.empty()) frames_.back().value_done();
+        break;
+    }
+    return true;
+  }
+
+  const std::string& duplicate() const { return duplicate_; }
+
+ private:
+  struct Frame {
+    std::string path;
+    std::set<std::string> keys;
+    std::string last_key;
+    bool is_array = false;
+    size_t index = 0;
+    void value_done() {
+      if (is_array) ++index;
+    }
+  };
+
+  std::string path_of_child() const {
+    if (frames_.empty()) return "";
+    const Frame& f = frames_.back();
+    if (f.is_array) return fmt::format("{}[{}]", f.path, f.index);
+    return detail::join_path(f.path, f.last_key);
+  }
+
+  std::vector<Frame> frames_;
+  std::string duplicate_;
+};
+
+// 1-based line and column of byte offset `offset` in `text`.
+std::pair<size_t, size_t> line_and_column(std::string_view text, size_t offset) {
+  offset = std::min(offset, text.size());
+  size_t line = 1, column = 1;
+  for (size_t i = 0; i < offset; ++i) {
+    if (text[i] == '\n') {
+      ++line;
+      column = 1;
+    } else {
+      ++column;
+    }
+  }
+  return {line, column};
+}
+
+// Resolves the batch sizes left at 0 and checks the relation; writes nothing on error.
+Status derive_batch(int64_t& batch, int64_t& micro, int64_t& accum, int world_size) {
+  if (world_size < 1) {
+    return make_error(ErrorCode::kInvalidArgument, "world size: expected >= 1, got {}", world_size);
+  }
+  int64_t b = batch, m = micro, a = accum, w = world_size;
+  if (m == 0) {
+    if (a == 0) a = 1;
+    m = b / (a * w);
+    if (m == 0) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "train_batch_size: {} is smaller than gradient_accumulation_steps {} * "
+                        "world size {}; expected at least one sample per rank and micro-step",
+                        b, a, w);
+    }
+  } else if (a == 0) {
+    a = b / (m * w);
+    if (a == 0) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "train_batch_size: {} is smaller than train_micro_batch_size_per_gpu {} * "
+                        "world size {}; expected a multiple of it",
+                        b, m, w);
+    }
+  }
+  int64_t product = 0;
+  if (__builtin_mul_overflow(m, a, &product) || __builtin_mul_overflow(product, w, &product)) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "train_micro_batch_size_per_gpu {} * gradient_accumulation_steps {} * world "
+                      "size {}: the product does not fit in 64 bits",
+                      m, a, w);
+  }
+  if (b == 0) b = product;
+  if (b != product) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "train_batch_size: expected train_micro_batch_size_per_gpu {} * "
+                      "gradient_accumulation_steps {} * world size {} = {}, got {}",
+                      m, a, w, product, b);
+  }
+  batch = b;
+  micro = m;
+  accum = a;
+  return Status::ok();
+}
+
+}  // namespace
+
+Result<Config> parse_config(const json& j) {
+  if (!j.is_object()) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "config: expected a JSON object at the top level, got {}",
+                      detail::describe(j));
+  }
+  ParseState state;
+  Config c;
+  ObjectReader top(j, "", state);
+  ZINF_RETURN_IF_ERROR(read_top(top, c));
+  std::sort(state.unknown_keys.begin(), state.unknown_keys.end());
+  if (!state.unknown_keys.empty()) {
+    log::warn("config: ignoring {} key(s) zinf does not know: {}", state.unknown_keys.size(),
+              fmt::join(state.unknown_keys, ", "));
+  }
+  ZINF_RETURN_IF_ERROR(detail::check_config(c));
+  c.unknown_keys = std::move(state.unknown_keys);
+  c.auto_keys = std::move(state.auto_keys);
+  return c;
+}
+
+Result<Config> parse_config_text(std::string_view text) {
+  DuplicateKeyFinder duplicates;
+  json j;
+  try {
+    j = json::parse(text.begin(), text.end(), std::ref(duplicates));
+  } catch (const json::parse_error& e) {
+    // nlohmann's `byte` is 1-based and points just past the offending character.
+    auto [line, column] = line_and_column(text, e.byte == 0 ? 0 : e.byte - 1);
+    std::string_view what = e.what();
+    if (size_t colon = what.find(": ", what.find("column")); colon != std::string_view::npos) {
+      what.remove_prefix(colon + 2);
+    }
+    return make_error(ErrorCode::kInvalidArgument,
+                      "config is not valid JSON: line {}, column {}: {}", line, column, what);
+  }
+  if (!duplicates.duplicate().empty()) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "{}: the key appears twice in its object; expected it once",
+                      duplicates.duplicate());
+  }
+  return parse_config(j);
+}
+
+Result<Config> load_config(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return errno_status(errno, fmt::format("cannot open config file {}", path));
+  std::string text;
+  char chunk[65536];
+  for (;;) {
+    ssize_t n = ::read(fd, chunk, sizeof chunk);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      int err = errno;
+      ::close(fd);
+      return errno_status(err, fmt::format("cannot read config file {}", path));
+    }
+    if (n == 0) break;
+    text.append(chunk, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  Result<Config> c = parse_config_text(text);
+  if (!c) return std::move(c).take_status().with_context(fmt::format("config file {}", path));
+  return c;
+}
+
+Status validate(const Config& c, int world_size) {
+  ZINF_RETURN_IF_ERROR(detail::check_config(c));
+  int64_t batch = c.train_batch_size, micro = c.train_micro_batch_size_per_gpu,
+          accum = c.gradient_accumulation_steps;
+  return derive_batch(batch, micro, accum, world_size);
+}
+
+Status resolve_batch_sizes(Config& c, int world_size) {
+  ZINF_RETURN_IF_ERROR(detail::check_config(c));
+  return derive_batch(c.train_batch_size, c.train_micro_batch_size_per_gpu,
+                      c.gradient_accumulation_steps, world_size);
+}
+
+}  // namespace zinf::config

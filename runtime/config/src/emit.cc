@@ -1,0 +1,148 @@
+// Writing the effective configuration back out: to_json (DeepSpeed's format, round-trips through
+// parse_config) and the start-up log of every tunable.
+#include <fmt/format.h>
+
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "zinf/config/config.h"
+#include "zinf/core/log.h"
+
+namespace zinf::config {
+
+using nlohmann::json;
+
+namespace {
+
+// A float as the shortest decimal that reads back to the same float ("0.0001", not
+// "9.999999747378752e-05"), so the emitted JSON is what a person would have written.
+json float_json(float f) {
+  std::string shortest = fmt::format("{}", f);
+  double d = std::strtod(shortest.c_str(), nullptr);
+  if (static_cast<float>(d) != f) d = static_cast<double>(f);
+  return d;
+}
+
+json nvme_path_json(const std::vector<std::string>& paths) {
+  if (paths.size() == 1) return paths.front();
+  return paths;
+}
+
+json offload_json(const OffloadConfig& o, bool is_param) {
+  json j = {{"device", offload_device_name(o.device)},
+            {"buffer_count", o.buffer_count},
+            {"pin_memory", o.pin_memory}};
+  if (!o.nvme_path.empty()) j["nvme_path"] = nvme_path_json(o.nvme_path);
+  if (is_param) {
+    j["buffer_size"] = o.buffer_size;
+    j["max_in_cpu"] = o.max_in_cpu;
+  } else {
+    j["pipeline_read"] = o.pipeline_read;
+    j["pipeline_write"] = o.pipeline_write;
+    j["fast_init"] = o.fast_init;
+    j["ratio"] = o.ratio;
+  }
+  return j;
+}
+
+// "a.b=v" for every leaf under `j`, in key order.
+void flatten(const json& j, const std::string& prefix, std::vector<std::string>& out) {
+  if (j.is_object() && !j.empty()) {
+    for (const auto& [key, value] : j.items()) {
+      flatten(value, prefix.empty() ? key : prefix + "." + key, out);
+    }
+    return;
+  }
+  out.push_back(fmt::format("{}={}", prefix, j.dump()));
+}
+
+}  // namespace
+
+json to_json(const Config& c) {
+  json j = json::object();
+  if (c.train_batch_size != 0) j["train_batch_size"] = c.train_batch_size;
+  if (c.train_micro_batch_size_per_gpu != 0) {
+    j["train_micro_batch_size_per_gpu"] = c.train_micro_batch_size_per_gpu;
+  }
+  if (c.gradient_accumulation_steps != 0) {
+    j["gradient_accumulation_steps"] = c.gradient_accumulation_steps;
+  }
+  j["gradient_clipping"] = float_json(c.gradient_clipping);
+
+  const OptimizerConfig& o = c.optimizer;
+  j["optimizer"] = {{"type", optimizer_type_name(o.type)},
+                    {"params",
+                     {{"lr", float_json(o.lr)},
+                      {"betas", {float_json(o.beta1), float_json(o.beta2)}},
+                      {"eps", float_json(o.eps)},
+                      {"weight_decay", float_json(o.weight_decay)},
+                      {"adam_w_mode", o.adam_w_mode},
+                      {"bias_correction", o.bias_correction}}}};
+
+  const Fp16Config& f = c.fp16;
+  j["fp16"] = {{"enabled", f.enabled},
+               {"loss_scale", float_json(f.loss_scale)},
+               {"initial_scale_power", f.initial_scale_power},
+               {"loss_scale_window", f.loss_scale_window},
+               {"hysteresis", f.hysteresis},
+               {"min_loss_scale", float_json(f.min_loss_scale)}};
+  j["bf16"] = {{"enabled", c.bf16}};
+
+  const ZeroConfig& z = c.zero;
+  j["zero_optimization"] = {
+      {"stage", z.stage},
+      {"contiguous_gradients", z.contiguous_gradients},
+      {"overlap_comm", z.overlap_comm},
+      {"reduce_scatter", z.reduce_scatter},
+      {"reduce_bucket_size", z.reduce_bucket_size},
+      {"allgather_partitions", z.allgather_partitions},
+      {"allgather_bucket_size", z.allgather_bucket_size},
+      {"sub_group_size", z.sub_group_size},
+      {"stage3_prefetch_bucket_size", z.stage3_prefetch_bucket_size},
+      {"stage3_param_persistence_threshold", z.stage3_param_persistence_threshold},
+      {"stage3_max_live_parameters", z.stage3_max_live_parameters},
+      {"stage3_max_reuse_distance", z.stage3_max_reuse_distance},
+      {"offload_param", offload_json(z.offload_param, /*is_param=*/true)},
+      {"offload_optimizer", offload_json(z.offload_optimizer, /*is_param=*/false)}};
+
+  const AioConfig& a = c.aio;
+  j["aio"] = {{"block_size", a.block_size},
+              {"queue_depth", a.queue_depth},
+              {"intra_op_parallelism", a.intra_op_parallelism},
+              {"single_submit", a.single_submit},
+              {"overlap_events", a.overlap_events},
+              {"use_gds", a.use_gds}};
+
+  if (!c.scheduler.is_null()) j["scheduler"] = c.scheduler;
+
+  const ZinfConfig& zc = c.zinf;
+  j["zinf"] = {{"device_mem", zc.device_mem}, {"host_mem", zc.host_mem},
+               {"trace", zc.trace},           {"seed", zc.seed},
+               {"checksum", zc.checksum},     {"staging_bytes", zc.staging_bytes}};
+  return j;
+}
+
+void log_effective_config(const Config& c) {
+  json j = to_json(c);
+  std::vector<std::string> top{fmt::format("working_dtype={}", dtype_name(c.working_dtype()))};
+  for (const auto& [key, value] : j.items()) {
+    if (value.is_object() && key != "scheduler") continue;
+    top.push_back(fmt::format("{}={}", key, value.dump()));
+  }
+  if (c.train_micro_batch_size_per_gpu == 0 || c.gradient_accumulation_steps == 0) {
+    top.push_back("(batch sizes not shown are derived from the world size)");
+  }
+  log::info("config: {}", fmt::join(top, " "));
+  for (const auto& [key, value] : j.items()) {
+    if (!value.is_object() || key == "scheduler") continue;
+    std::vector<std::string> leaves;
+    flatten(value, "", leaves);
+    log::info("config {}: {}", key, fmt::join(leaves, " "));
+  }
+  if (!c.auto_keys.empty()) {
+    log::info("config: \"auto\" given its default for: {}", fmt::join(c.auto_keys, ", "));
+  }
+}
+
+}  // namespace zinf::config

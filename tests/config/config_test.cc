@@ -1,0 +1,655 @@
+#include "zinf/config/config.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <spdlog/sinks/ostream_sink.h>
+
+#include <algorithm>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "zinf/core/log.h"
+
+namespace zinf::config {
+namespace {
+
+using nlohmann::json;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+
+std::string data_path(const std::string& name) {
+  return std::string(ZINF_CONFIG_TEST_DATA) + "/" + name;
+}
+
+Config load_ok(const std::string& name) {
+  Result<Config> c = load_config(data_path(name));
+  EXPECT_TRUE(c.is_ok()) << c.status().to_string();
+  return c.is_ok() ? *c : Config{};
+}
+
+Config parse_ok(std::string_view text) {
+  Result<Config> c = parse_config_text(text);
+  EXPECT_TRUE(c.is_ok()) << c.status().to_string();
+  return c.is_ok() ? *c : Config{};
+}
+
+// Captures what the zinf logger writes while it lives.
+class LogCapture {
+ public:
+  LogCapture()
+      : sink_(std::make_shared<spdlog::sinks::ostream_sink_mt>(out_)),
+        level_(log::logger().level()) {
+    sink_->set_pattern("%l %v");
+    log::logger().sinks().push_back(sink_);
+    log::logger().set_level(spdlog::level::info);  // whatever ZINF_LOG_LEVEL says
+  }
+  ~LogCapture() {
+    auto& sinks = log::logger().sinks();
+    sinks.erase(std::remove(sinks.begin(), sinks.end(), sink_), sinks.end());
+    log::logger().set_level(level_);
+  }
+  std::vector<std::string> lines() const {
+    std::vector<std::string> result;
+    std::istringstream in(out_.str());
+    for (std::string line; std::getline(in, line);) result.push_back(line);
+    return result;
+  }
+  std::string text() const { return out_.str(); }
+
+ private:
+  std::ostringstream out_;
+  std::shared_ptr<spdlog::sinks::ostream_sink_mt> sink_;
+  spdlog::level::level_enum level_;
+};
+
+// ---- defaults --------------------------------------------------------------------------------
+
+TEST(Config, EmptyObjectGivesDeepSpeedDefaults) {
+  Config c = parse_ok("{}");
+  EXPECT_EQ(c, Config{});
+  EXPECT_EQ(c.train_batch_size, 0);
+  EXPECT_EQ(c.train_micro_batch_size_per_gpu, 1);
+  EXPECT_EQ(c.gradient_accumulation_steps, 1);
+  EXPECT_EQ(c.gradient_clipping, 0.0f);
+  EXPECT_EQ(c.optimizer.type, OptimizerConfig::Type::kAdam);
+  EXPECT_EQ(c.optimizer.lr, 1e-3f);
+  EXPECT_EQ(c.optimizer.beta1, 0.9f);
+  EXPECT_EQ(c.optimizer.beta2, 0.999f);
+  EXPECT_EQ(c.optimizer.eps, 1e-8f);
+  EXPECT_EQ(c.optimizer.weight_decay, 0.0f);
+  EXPECT_TRUE(c.optimizer.adam_w_mode);
+  EXPECT_TRUE(c.optimizer.bias_correction);
+  EXPECT_FALSE(c.fp16.enabled);
+  EXPECT_EQ(c.fp16.loss_scale, 0.0f);
+  EXPECT_EQ(c.fp16.initial_scale_power, 16);
+  EXPECT_EQ(c.fp16.loss_scale_window, 1000);
+  EXPECT_EQ(c.fp16.hysteresis, 2);
+  EXPECT_EQ(c.fp16.min_loss_scale, 1.0f);
+  EXPECT_FALSE(c.bf16);
+  EXPECT_EQ(c.working_dtype(), DType::kF32);
+
+  const ZeroConfig& z = c.zero;
+  EXPECT_EQ(z.stage, 0);
+  EXPECT_TRUE(z.contiguous_gradients);
+  EXPECT_FALSE(z.overlap_comm);
+  EXPECT_TRUE(z.reduce_scatter);
+  EXPECT_EQ(z.reduce_bucket_size, 500'000'000u);
+  EXPECT_TRUE(z.allgather_partitions);
+  EXPECT_EQ(z.allgather_bucket_size, 500'000'000u);
+  EXPECT_EQ(z.sub_group_size, 1'000'000'000u);
+  EXPECT_EQ(z.stage3_prefetch_bucket_size, 50'000'000u);
+  EXPECT_EQ(z.stage3_param_persistence_threshold, 100'000u);
+  EXPECT_EQ(z.stage3_max_live_parameters, 1'000'000'000u);
+  EXPECT_EQ(z.stage3_max_reuse_distance, 1'000'000'000u);
+  EXPECT_EQ(z.offload_param.device, OffloadDevice::kNone);
+  EXPECT_EQ(z.offload_param.buffer_count, 5);
+  EXPECT_EQ(z.offload_param.buffer_size, 100'000'000u);
+  EXPECT_EQ(z.offload_param.max_in_cpu, 1'000'000'000u);
+  EXPECT_FALSE(z.offload_param.pin_memory);
+  EXPECT_EQ(z.offload_optimizer.device, OffloadDevice::kNone);
+  EXPECT_EQ(z.offload_optimizer.buffer_count, 4);
+  EXPECT_EQ(z.offload_optimizer.ratio, 1.0);
+  EXPECT_FALSE(z.offload_optimizer.pipeline_read);
+  EXPECT_FALSE(z.offload_optimizer.pipeline_write);
+  EXPECT_FALSE(z.offload_optimizer.fast_init);
+
+  EXPECT_EQ(c.aio.block_size, 1048576u);
+  EXPECT_EQ(c.aio.queue_depth, 8);
+  EXPECT_EQ(c.aio.intra_op_parallelism, 1);
+  EXPECT_FALSE(c.aio.single_submit);
+  EXPECT_TRUE(c.aio.overlap_events);
+  EXPECT_FALSE(c.aio.use_gds);
+
+  EXPECT_EQ(c.zinf.device_mem, 0u);
+  EXPECT_EQ(c.zinf.host_mem, 0u);
+  EXPECT_EQ(c.zinf.trace, "");
+  EXPECT_EQ(c.zinf.seed, 0u);
+  EXPECT_FALSE(c.zinf.checksum);
+  EXPECT_EQ(c.zinf.staging_bytes, 4u << 20);
+  EXPECT_TRUE(c.scheduler.is_null());
+  EXPECT_THAT(c.unknown_keys, IsEmpty());
+  EXPECT_THAT(c.auto_keys, IsEmpty());
+  EXPECT_TRUE(validate(c, 1).is_ok());
+}
+
+TEST(Config, OverlapCommDefaultsToTrueOnlyForStage3) {
+  EXPECT_FALSE(parse_ok(R"({"zero_optimization": {"stage": 2}})").zero.overlap_comm);
+  EXPECT_TRUE(parse_ok(R"({"zero_optimization": {"stage": 3}})").zero.overlap_comm);
+  EXPECT_FALSE(
+      parse_ok(R"({"zero_optimization": {"stage": 3, "overlap_comm": false}})").zero.overlap_comm);
+  EXPECT_TRUE(
+      parse_ok(R"({"zero_optimization": {"stage": 1, "overlap_comm": true}})").zero.overlap_comm);
+}
+
+TEST(Config, DesignatedInitializersBuildAValidConfig) {
+  Config c{
+      .train_micro_batch_size_per_gpu = 2,
+      .gradient_accumulation_steps = 4,
+      .bf16 = true,
+      .zero = {.stage = 3,
+               .overlap_comm = true,
+               .offload_param = {.device = OffloadDevice::kCpu},
+               .offload_optimizer = {
+                   .device = OffloadDevice::kNvme, .nvme_path = {"/nvme"}, .buffer_count = 4}}};
+  EXPECT_TRUE(validate(c, 8).is_ok());
+  EXPECT_EQ(c.working_dtype(), DType::kBF16);
+  ASSERT_TRUE(resolve_batch_sizes(c, 8).is_ok());
+  EXPECT_EQ(c.train_batch_size, 64);
+}
+
+// ---- DeepSpeed example configs ---------------------------------------------------------------
+
+TEST(Config, Zero2CpuOffloadExampleLoads) {
+  Config c = load_ok("zero2_cpu_offload.json");
+  EXPECT_EQ(c.train_batch_size, 64);
+  EXPECT_EQ(c.train_micro_batch_size_per_gpu, 8);
+  EXPECT_EQ(c.gradient_accumulation_steps, 0);  // derived from the world size
+  EXPECT_EQ(c.gradient_clipping, 1.0f);
+  EXPECT_EQ(c.optimizer.type, OptimizerConfig::Type::kAdamW);
+  EXPECT_TRUE(c.optimizer.adam_w_mode);
+  EXPECT_EQ(c.optimizer.lr, 3e-5f);
+  EXPECT_EQ(c.optimizer.beta1, 0.9f);
+  EXPECT_EQ(c.optimizer.beta2, 0.95f);
+  EXPECT_EQ(c.optimizer.weight_decay, 0.01f);
+  EXPECT_TRUE(c.fp16.enabled);
+  EXPECT_EQ(c.working_dtype(), DType::kF16);
+  EXPECT_EQ(c.zero.stage, 2);
+  EXPECT_EQ(c.zero.offload_optimizer.device, OffloadDevice::kCpu);
+  EXPECT_TRUE(c.zero.offload_optimizer.pin_memory);
+  EXPECT_EQ(c.zero.offload_optimizer.buffer_count, 4);
+  EXPECT_FALSE(c.zero.offload_param.enabled());
+  EXPECT_EQ(c.zero.allgather_bucket_size, 200'000'000u);
+  EXPECT_EQ(c.zero.reduce_bucket_size, 200'000'000u);
+  EXPECT_TRUE(c.zero.overlap_comm);
+  EXPECT_EQ(c.scheduler["type"], "WarmupLR");
+  EXPECT_EQ(c.scheduler["params"]["warmup_num_steps"], 500);
+  EXPECT_THAT(c.unknown_keys, IsEmpty());  // steps_per_print, round_robin_gradients, ...
+
+  for (int world : {1, 2, 4, 8}) {
+    Config resolved = c;
+    ASSERT_TRUE(resolve_batch_sizes(resolved, world).is_ok()) << world;
+    EXPECT_EQ(resolved.gradient_accumulation_steps, 8 / world);
+  }
+  Status s = validate(c, 16);  // 64 < 8 * 16
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_THAT(s.message(), HasSubstr("train_batch_size"));
+  EXPECT_THAT(validate(c, 3).message(), HasSubstr("train_batch_size"));  // 64 != 8 * 2 * 3
+}
+
+TEST(Config, Zero3NvmeInfinityExampleLoads) {
+  Config c = load_ok("zero3_nvme_infinity.json");
+  EXPECT_EQ(c.train_batch_size, 0);
+  EXPECT_EQ(c.train_micro_batch_size_per_gpu, 4);
+  EXPECT_EQ(c.gradient_accumulation_steps, 8);
+  EXPECT_EQ(c.optimizer.type, OptimizerConfig::Type::kAdam);
+  EXPECT_TRUE(c.optimizer.adam_w_mode);  // DeepSpeed's Adam decays decoupled by default
+  EXPECT_EQ(c.optimizer.lr, 1.5e-4f);
+  EXPECT_EQ(c.optimizer.weight_decay, 0.1f);
+  EXPECT_TRUE(c.bf16);
+  EXPECT_FALSE(c.fp16.enabled);
+  EXPECT_EQ(c.working_dtype(), DType::kBF16);
+
+  const ZeroConfig& z = c.zero;
+  EXPECT_EQ(z.stage, 3);
+  EXPECT_EQ(z.reduce_bucket_size, 50'000'000u);
+  EXPECT_EQ(z.sub_group_size, 100'000'000u);
+  EXPECT_EQ(z.offload_param.device, OffloadDevice::kNvme);
+  EXPECT_THAT(z.offload_param.nvme_path, ElementsAre("/local_nvme"));
+  EXPECT_EQ(z.offload_param.buffer_size, 1'000'000'000u);
+  EXPECT_EQ(z.offload_param.max_in_cpu, 1'000'000'000u);
+  EXPECT_TRUE(z.offload_param.pin_memory);
+  EXPECT_EQ(z.offload_optimizer.device, OffloadDevice::kNvme);
+  EXPECT_THAT(z.offload_optimizer.nvme_path, ElementsAre("/nvme0/zinf", "/nvme1/zinf"));
+  EXPECT_TRUE(z.offload_optimizer.pipeline_read);
+  EXPECT_TRUE(z.offload_optimizer.pipeline_write);
+
+  EXPECT_EQ(c.aio.block_size, 262144u);
+  EXPECT_EQ(c.aio.queue_depth, 32);
+  EXPECT_EQ(c.aio.intra_op_parallelism, 2);
+  EXPECT_TRUE(c.aio.overlap_events);
+
+  EXPECT_EQ(c.zinf.host_mem, 48ull << 30);
+  EXPECT_EQ(c.zinf.device_mem, 16ull << 30);
+  EXPECT_EQ(c.zinf.staging_bytes, 8u << 20);
+  EXPECT_EQ(c.zinf.trace, "/tmp/zinf-trace.json");
+  EXPECT_EQ(c.zinf.seed, 1234u);
+  EXPECT_TRUE(c.zinf.checksum);
+  EXPECT_THAT(c.unknown_keys, IsEmpty());
+
+  ASSERT_TRUE(resolve_batch_sizes(c, 2).is_ok());
+  EXPECT_EQ(c.train_batch_size, 64);
+}
+
+TEST(Config, HfTrainerAutoValuesTakeDefaultsAndAreListed) {
+  Config c = load_ok("zero3_bf16_hf_auto.json");
+  EXPECT_FALSE(c.bf16);
+  EXPECT_FALSE(c.fp16.enabled);
+  EXPECT_EQ(c.optimizer.type, OptimizerConfig::Type::kAdamW);
+  EXPECT_EQ(c.optimizer.lr, OptimizerConfig{}.lr);
+  EXPECT_EQ(c.optimizer.beta2, OptimizerConfig{}.beta2);
+  EXPECT_EQ(c.zero.stage, 3);
+  EXPECT_EQ(c.zero.reduce_bucket_size, ZeroConfig{}.reduce_bucket_size);
+  EXPECT_EQ(c.zero.stage3_prefetch_bucket_size, ZeroConfig{}.stage3_prefetch_bucket_size);
+  EXPECT_EQ(c.zero.offload_param.device, OffloadDevice::kCpu);
+  EXPECT_EQ(c.zero.offload_optimizer.device, OffloadDevice::kCpu);
+  EXPECT_EQ(c.train_batch_size, 0);
+  EXPECT_EQ(c.train_micro_batch_size_per_gpu, 1);
+  EXPECT_EQ(c.gradient_accumulation_steps, 1);
+  EXPECT_EQ(c.gradient_clipping, 0.0f);
+  EXPECT_EQ(c.scheduler["params"]["total_num_steps"], "auto");  // kept raw
+  EXPECT_THAT(c.unknown_keys, IsEmpty());
+  std::vector<std::string> autos = c.auto_keys;
+  std::sort(autos.begin(), autos.end());
+  EXPECT_THAT(
+      autos, ElementsAre("bf16.enabled", "fp16.enabled", "gradient_accumulation_steps",
+                         "gradient_clipping", "optimizer.params.betas", "optimizer.params.eps",
+                         "optimizer.params.lr", "optimizer.params.weight_decay", "train_batch_size",
+                         "train_micro_batch_size_per_gpu", "zero_optimization.reduce_bucket_size",
+                         "zero_optimization.stage3_param_persistence_threshold",
+                         "zero_optimization.stage3_prefetch_bucket_size"));
+  EXPECT_TRUE(validate(c, 4).is_ok());
+}
+
+TEST(Config, MinimalFp16ExampleDerivesTheMicroBatch) {
+  Config c = load_ok("minimal_fp16.json");
+  EXPECT_TRUE(c.fp16.enabled);
+  EXPECT_EQ(c.fp16.loss_scale, 0.0f);  // dynamic
+  EXPECT_EQ(c.zero.stage, 1);
+  EXPECT_FALSE(c.zero.overlap_comm);
+  EXPECT_EQ(c.train_batch_size, 32);
+  EXPECT_EQ(c.train_micro_batch_size_per_gpu, 0);
+  EXPECT_EQ(c.gradient_accumulation_steps, 1);
+  ASSERT_TRUE(resolve_batch_sizes(c, 4).is_ok());
+  EXPECT_EQ(c.train_micro_batch_size_per_gpu, 8);
+  EXPECT_EQ(c.gradient_accumulation_steps, 1);
+}
+
+TEST(Config, BatchSizesFollowDeepSpeedDerivation) {
+  Config c = parse_ok(R"({"train_batch_size": 48, "gradient_accumulation_steps": 3})");
+  ASSERT_TRUE(resolve_batch_sizes(c, 4).is_ok());
+  EXPECT_EQ(c.train_micro_batch_size_per_gpu, 4);
+
+  c = parse_ok(R"({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3})");
+  ASSERT_TRUE(resolve_batch_sizes(c, 5).is_ok());
+  EXPECT_EQ(c.train_batch_size, 30);
+
+  c = parse_ok(R"({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4,
+                   "gradient_accumulation_steps": 2})");
+  EXPECT_TRUE(validate(c, 4).is_ok());
+  Status s = validate(c, 2);
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_THAT(s.message(), HasSubstr("train_batch_size"));
+  EXPECT_THAT(s.message(), HasSubstr("4 * gradient_accumulation_steps 2 * world size 2 = 16"));
+  EXPECT_THAT(s.message(), HasSubstr("got 32"));
+
+  c = parse_ok(R"({"train_batch_size": 2})");
+  s = validate(c, 4);
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_THAT(s.message(), HasSubstr("train_batch_size: 2 is smaller"));
+  EXPECT_THAT(validate(Config{}, 0).message(), HasSubstr("world size"));
+}
+
+// ---- unknown keys ----------------------------------------------------------------------------
+
+TEST(Config, UnknownKeysAreCollectedWithPathsAndWarnedOnce) {
+  LogCapture capture;
+  Config c = parse_ok(R"({
+    "optimiser": {"type": "Adam"},
+    "fp16": {"enabled": true, "enabld": true},
+    "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "max_grad_norm": 1.0}},
+    "zero_optimization": {
+      "stage": 3,
+      "stage3_prefech_bucket_size": 1000,
+      "offload_param": {"device": "cpu", "devcie": "nvme", "ratio": 0.5},
+      "offload_optimizer": {"device": "cpu", "buffer_size": 100}
+    },
+    "aio": {"queue_dpth": 4},
+    "zinf": {"host_memory": "1G"},
+    "activation_checkpointing": {"partition_activations": true},
+    "steps_per_print": 10
+  })");
+  EXPECT_THAT(
+      c.unknown_keys,
+      ElementsAre("activation_checkpointing", "aio.queue_dpth", "fp16.enabld", "optimiser",
+                  "optimizer.params.max_grad_norm",
+                  "zero_optimization.offload_optimizer.buffer_size",
+                  "zero_optimization.offload_param.devcie", "zero_optimization.offload_param.ratio",
+                  "zero_optimization.stage3_prefech_bucket_size", "zinf.host_memory"));
+  int warnings = 0;
+  for (const std::string& line : capture.lines()) {
+    if (line.find("zinf does not know") == std::string::npos) continue;
+    ++warnings;
+    EXPECT_THAT(line, HasSubstr("warning"));
+    EXPECT_THAT(line, HasSubstr("zero_optimization.stage3_prefech_bucket_size"));
+    EXPECT_THAT(line, HasSubstr("zinf.host_memory"));
+  }
+  EXPECT_EQ(warnings, 1);
+}
+
+TEST(Config, AcceptedDeepSpeedKeysDoNotWarn) {
+  LogCapture capture;
+  Config c = parse_ok(R"({
+    "train_batch_size": 16, "steps_per_print": 10, "wall_clock_breakdown": false,
+    "zero_allow_untested_optimizer": true, "gradient_predivide_factor": 1.0,
+    "prescale_gradients": false, "communication_data_type": "fp32",
+    "fp16": {"enabled": true, "auto_cast": false, "consecutive_hysteresis": false},
+    "bf16": {"enabled": false, "immediate_grad_update": true},
+    "optimizer": {"type": "adamw", "params": {"torch_adam": true}},
+    "zero_optimization": {
+      "stage": 3, "round_robin_gradients": false,
+      "stage3_gather_16bit_weights_on_model_save": true,
+      "stage3_gather_fp16_weights_on_model_save": true, "memory_efficient_linear": true,
+      "load_from_fp32_weights": true, "elastic_checkpoint": false,
+      "ignore_unused_parameters": true, "allgather_partitions": true,
+      "offload_optimizer": {"device": "cpu", "pipeline": false}
+    }
+  })");
+  EXPECT_THAT(c.unknown_keys, IsEmpty());
+  EXPECT_THAT(capture.text(), ::testing::Not(HasSubstr("warning")));
+  EXPECT_EQ(c.train_batch_size, 16);
+  EXPECT_EQ(c.optimizer.type, OptimizerConfig::Type::kAdamW);  // case-insensitive
+}
+
+// ---- values as DeepSpeed writes them -----------------------------------------------------------
+
+TEST(Config, WholeFloatsAreIntegers) {
+  Config c = parse_ok(R"({"zero_optimization": {"reduce_bucket_size": 5e8,
+                         "allgather_bucket_size": 1.25e9, "stage": 2.0},
+                         "aio": {"queue_depth": 1.6e1}})");
+  EXPECT_EQ(c.zero.reduce_bucket_size, 500'000'000u);
+  EXPECT_EQ(c.zero.allgather_bucket_size, 1'250'000'000u);
+  EXPECT_EQ(c.zero.stage, 2);
+  EXPECT_EQ(c.aio.queue_depth, 16);
+}
+
+TEST(Config, AliasesAndDeprecatedNames) {
+  Config c = parse_ok(R"({"zero_optimization": {"stage": 3, "prefetch_bucket_size": 123,
+                         "max_live_parameters": 7, "param_persistence_threshold": 0,
+                         "max_reuse_distance": 0},
+                         "aio": {"thread_count": 3}, "bfloat16": {"enabled": true}})");
+  EXPECT_EQ(c.zero.stage3_prefetch_bucket_size, 123u);
+  EXPECT_EQ(c.zero.stage3_max_live_parameters, 7u);
+  EXPECT_EQ(c.zero.stage3_param_persistence_threshold, 0u);
+  EXPECT_EQ(c.zero.stage3_max_reuse_distance, 0u);
+  EXPECT_EQ(c.aio.intra_op_parallelism, 3);
+  EXPECT_TRUE(c.bf16);
+
+  LogCapture capture;
+  c = parse_ok(R"({"zero_optimization": {"stage": 3, "cpu_offload": true,
+                  "cpu_offload_param": true, "cpu_offload_use_pin_memory": true}})");
+  EXPECT_EQ(c.zero.offload_optimizer.device, OffloadDevice::kCpu);
+  EXPECT_EQ(c.zero.offload_param.device, OffloadDevice::kCpu);
+  EXPECT_THAT(capture.text(), HasSubstr("zero_optimization.cpu_offload is deprecated"));
+}
+
+TEST(Config, WeightDecayForm) {
+  // DeepSpeed: Adam is decoupled (AdamW) unless adam_w_mode is false; AdamW is always decoupled.
+  EXPECT_TRUE(parse_ok(R"({"optimizer": {"type": "Adam"}})").optimizer.adam_w_mode);
+  EXPECT_FALSE(parse_ok(R"({"optimizer": {"type": "Adam", "params": {"adam_w_mode": false}}})")
+                   .optimizer.adam_w_mode);
+  LogCapture capture;
+  EXPECT_TRUE(parse_ok(R"({"optimizer": {"type": "AdamW", "params": {"adam_w_mode": false}}})")
+                  .optimizer.adam_w_mode);
+  EXPECT_THAT(capture.text(), HasSubstr("optimizer.params.adam_w_mode is false but type is AdamW"));
+  EXPECT_FALSE(parse_ok(R"({"optimizer": {"type": "Adam", "params": {"bias_correction": false}}})")
+                   .optimizer.bias_correction);
+}
+
+TEST(Config, NullMeansAbsent) {
+  Config c = parse_ok(R"({"zero_optimization": {"stage": 3, "offload_param": null,
+                         "overlap_comm": null}, "scheduler": null, "aio": null})");
+  EXPECT_FALSE(c.zero.offload_param.enabled());
+  EXPECT_TRUE(c.zero.overlap_comm);
+  EXPECT_TRUE(c.scheduler.is_null());
+}
+
+// ---- errors ----------------------------------------------------------------------------------
+
+struct BadCase {
+  const char* json;
+  const char* key;       // the JSON path the message must name
+  const char* expected;  // what the message must say was expected
+};
+
+class BadValue : public ::testing::TestWithParam<BadCase> {};
+
+TEST_P(BadValue, ErrorNamesTheKeyAndWhatWasExpected) {
+  const BadCase& bad = GetParam();
+  Result<Config> c = parse_config_text(bad.json);
+  ASSERT_FALSE(c.is_ok()) << bad.json;
+  EXPECT_EQ(c.status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_THAT(c.status().message(), HasSubstr(bad.key)) << bad.json;
+  EXPECT_THAT(c.status().message(), HasSubstr(bad.expected)) << bad.json;
+}
+
+// clang-format off
+const BadCase kBadCases[] = {
+  // wrong JSON types
+  {R"({"zero_optimization": {"stage": "3"}})", "zero_optimization.stage", "expected an integer in 0..3, got \"3\" (a string)"},
+  {R"({"zero_optimization": {"stage": "auto"}})", "zero_optimization.stage", "\"auto\" is not accepted here"},
+  {R"({"zero_optimization": {"stage": 2.5}})", "zero_optimization.stage", "expected an integer in 0..3, got 2.5"},
+  {R"({"zero_optimization": {"contiguous_gradients": "true"}})", "zero_optimization.contiguous_gradients", "expected true or false"},
+  {R"({"zero_optimization": {"reduce_bucket_size": 1.5}})", "zero_optimization.reduce_bucket_size", "expected a non-negative integer, got 1.5"},
+  {R"({"zero_optimization": {"sub_group_size": 1e20}})", "zero_optimization.sub_group_size", "expected a non-negative integer"},
+  {R"({"zero_optimization": 3})", "zero_optimization", "expected an object, got 3"},
+  {R"({"zero_optimization": {"offload_param": true}})", "zero_optimization.offload_param", "expected an object"},
+  {R"({"fp16": {"enabled": 1}})", "fp16.enabled", "expected true or false, got 1"},
+  {R"({"fp16": {"initial_scale_power": 1e10}})", "fp16.initial_scale_power", "expected a 32-bit integer"},
+  {R"({"gradient_clipping": "1.0"})", "gradient_clipping", "expected a number in single-precision range"},
+  {R"({"optimizer": {"type": "Adam", "params": {"lr": 1e39}}})", "optimizer.params.lr", "single-precision range"},
+  {R"({"scheduler": 5})", "scheduler", "expected an object"},
+  {R"({"zinf": {"host_mem": "4X"}})", "zinf.host_mem", "expected a byte count"},
+  {R"({"zinf": {"trace": 5}})", "zinf.trace", "expected a string"},
+  {R"({"zinf": {"seed": -1}})", "zinf.seed", "expected a non-negative integer, got -1"},
+  {"[1, 2]", "config", "expected a JSON object at the top level"},
+  // ranges
+  {R"({"zero_optimization": {"stage": 4}})", "zero_optimization.stage", "expected an integer in 0..3, got 4"},
+  {R"({"zero_optimization": {"stage": -1}})", "zero_optimization.stage", "expected an integer in 0..3, got -1"},
+  {R"({"zero_optimization": {"reduce_bucket_size": -1}})", "zero_optimization.reduce_bucket_size", "expected a non-negative integer, got -1"},
+  {R"({"zero_optimization": {"reduce_bucket_size": 0}})", "zero_optimization.reduce_bucket_size", "expected a positive number of elements, got 0"},
+  {R"({"zero_optimization": {"allgather_bucket_size": 0}})", "zero_optimization.allgather_bucket_size", "expected a positive number of elements"},
+  {R"({"zero_optimization": {"stage3_prefetch_bucket_size": -5e7}})", "zero_optimization.stage3_prefetch_bucket_size", "expected a non-negative integer"},
+  {R"({"train_batch_size": 0})", "train_batch_size", "expected a positive integer, got 0"},
+  {R"({"train_micro_batch_size_per_gpu": -2})", "train_micro_batch_size_per_gpu", "expected a positive integer, got -2"},
+  {R"({"gradient_accumulation_steps": 0})", "gradient_accumulation_steps", "expected a positive integer, got 0"},
+  {R"({"gradient_clipping": -1})", "gradient_clipping", "expected a number >= 0"},
+  {R"({"optimizer": {"type": "Adam", "params": {"lr": -0.1}}})", "optimizer.params.lr", "expected a number >= 0"},
+  {R"({"optimizer": {"type": "Adam", "params": {"eps": 0}}})", "optimizer.params.eps", "expected a number > 0, got 0"},
+  {R"({"optimizer": {"type": "Adam", "params": {"eps": -1e-8}}})", "optimizer.params.eps", "expected a number > 0"},
+  {R"({"optimizer": {"type": "Adam", "params": {"weight_decay": -0.1}}})", "optimizer.params.weight_decay", "expected a number >= 0"},
+  {R"({"optimizer": {"type": "Adam", "params": {"betas": [0.9]}}})", "optimizer.params.betas", "expected an array of two numbers in [0, 1)"},
+  {R"({"optimizer": {"type": "Adam", "params": {"betas": [0.9, 1.0]}}})", "optimizer.params.betas", "expected an array of two numbers in [0, 1), got [0.9,1.0]"},
+  {R"({"optimizer": {"type": "Adam", "params": {"betas": [-0.1, 0.99]}}})", "optimizer.params.betas", "in [0, 1)"},
+  {R"({"optimizer": {"type": "Adam", "params": {"betas": "0.9,0.99"}}})", "optimizer.params.betas", "in [0, 1)"},
+  {R"({"optimizer": {"type": "Adam", "params": {"betas": [0.9, "0.99"]}}})", "optimizer.params.betas", "in [0, 1)"},
+  {R"({"optimizer": {"type": "Lamb"}})", "optimizer.type", "unsupported optimizer \"Lamb\"; expected one of the supported optimizers: Adam, AdamW"},
+  {R"({"optimizer": {"type": 1}})", "optimizer.type", "Adam, AdamW"},
+  {R"({"optimizer": {"params": {"lr": 0.1}}})", "optimizer.type", "missing; expected one of the supported optimizers: Adam, AdamW"},
+  {R"({"optimizer": {"type": "Adam", "params": {"amsgrad": true}}})", "optimizer.params.amsgrad", "expected false"},
+  {R"({"fp16": {"loss_scale": -1}})", "fp16.loss_scale", "expected a number >= 0"},
+  {R"({"fp16": {"initial_scale_power": 200}})", "fp16.initial_scale_power", "expected an integer in 0..127"},
+  {R"({"fp16": {"loss_scale_window": 0}})", "fp16.loss_scale_window", "expected an integer >= 1"},
+  {R"({"fp16": {"hysteresis": 0}})", "fp16.hysteresis", "expected an integer >= 1"},
+  {R"({"fp16": {"min_loss_scale": 0}})", "fp16.min_loss_scale", "expected a number > 0"},
+  {R"({"aio": {"queue_depth": 0}})", "aio.queue_depth", "expected an integer >= 1, got 0"},
+  {R"({"aio": {"block_size": 1000}})", "aio.block_size", "expected a positive multiple of 4096 bytes, got 1000"},
+  {R"({"aio": {"block_size": 0}})", "aio.block_size", "multiple of 4096"},
+  {R"({"aio": {"intra_op_parallelism": 0}})", "aio.intra_op_parallelism", "expected an integer >= 1"},
+  {R"({"zinf": {"staging_bytes": 1000}})", "zinf.staging_bytes", "multiple of 1 MiB"},
+  {R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "buffer_count": 0}}})", "zero_optimization.offload_param.buffer_count", "expected an integer >= 1"},
+  {R"({"zero_optimization": {"stage": 3, "offload_param": {"buffer_size": 0}}})", "zero_optimization.offload_param.buffer_size", "expected a positive number of elements"},
+  {R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0}}})", "zero_optimization.offload_optimizer.ratio", "expected a fraction in (0, 1], got 0"},
+  {R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 1.5}}})", "zero_optimization.offload_optimizer.ratio", "expected a fraction in (0, 1]"},
+  {R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}})", "zero_optimization.offload_param.device", "expected one of \"none\", \"cpu\", \"nvme\", got \"gpu\""},
+  {R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": 5}}})", "zero_optimization.offload_param.nvme_path", "expected a directory path or a list of directory paths"},
+  {R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": ["/a", 7]}}})", "zero_optimization.offload_param.nvme_path[1]", "expected a directory path (a string)"},
+  // impossible combinations
+  {R"({"fp16": {"enabled": true}, "bf16": {"enabled": true}})", "fp16.enabled and bf16.enabled", "only one 16-bit working precision"},
+  {R"({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})", "zero_optimization.offload_param.device", "parameter offload needs zero_optimization.stage 3, got device \"cpu\" with stage 2"},
+  {R"({"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/nvme"}}})", "zero_optimization.offload_param.device", "needs zero_optimization.stage 3"},
+  {R"({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}})", "zero_optimization.offload_optimizer.device", "optimizer offload needs zero_optimization.stage 1, 2 or 3"},
+  {R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}})", "zero_optimization.offload_optimizer.ratio", "partial optimizer offload (ratio < 1) needs zero_optimization.stage 3"},
+  {R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})", "zero_optimization.offload_param.nvme_path", "device is \"nvme\", expected a directory"},
+  {R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": []}}})", "zero_optimization.offload_optimizer.nvme_path", "device is \"nvme\""},
+  {R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": ""}}})", "zero_optimization.offload_optimizer.nvme_path[0]", "expected a non-empty directory path"},
+  {R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": ["/a", ""]}}})", "zero_optimization.offload_optimizer.nvme_path[1]", "expected a non-empty directory path"},
+  {R"({"zero_optimization": {"stage3_prefetch_bucket_size": 1, "prefetch_bucket_size": 2}})", "zero_optimization.stage3_prefetch_bucket_size and zero_optimization.prefetch_bucket_size", "expected only one of them"},
+  {R"({"aio": {"thread_count": 2, "intra_op_parallelism": 2}})", "aio.intra_op_parallelism and aio.thread_count", "expected only one of them"},
+  {R"({"bf16": {"enabled": true}, "bfloat16": {"enabled": true}})", "bf16 and bfloat16", "expected only one of them"},
+  {R"({"zero_optimization": {"stage": 2, "cpu_offload": true, "offload_optimizer": {"device": "cpu"}}})", "zero_optimization.cpu_offload (deprecated) and zero_optimization.offload_optimizer", "expected only zero_optimization.offload_optimizer"},
+  {R"({"train_batch_size": 8, "zero_optimization": {"stage": 1, "stage": 2}})", "zero_optimization.stage", "appears twice"},
+  {R"({"a": [{"x": 1, "x": 2}]})", "a[0].x", "appears twice"},
+};
+// clang-format on
+
+INSTANTIATE_TEST_SUITE_P(Config, BadValue, ::testing::ValuesIn(kBadCases));
+
+TEST(Config, ValidateAppliesTheSameRulesToConfigsBuiltInCode) {
+  Config c;
+  c.aio.queue_depth = 0;
+  EXPECT_THAT(validate(c, 1).message(), HasSubstr("aio.queue_depth"));
+  c = Config{.zero = {.stage = 1, .offload_param = {.device = OffloadDevice::kCpu}}};
+  EXPECT_THAT(validate(c, 1).message(), HasSubstr("zero_optimization.offload_param.device"));
+  c = Config{.optimizer = {.type = OptimizerConfig::Type::kAdamW, .adam_w_mode = false}};
+  EXPECT_THAT(validate(c, 1).message(), HasSubstr("optimizer.params.adam_w_mode"));
+  c = Config{.train_micro_batch_size_per_gpu = 0};
+  EXPECT_THAT(validate(c, 1).message(), HasSubstr("train_micro_batch_size_per_gpu"));
+}
+
+TEST(Config, JsonSyntaxErrorNamesLineAndColumn) {
+  Result<Config> c = parse_config_text("{\n  \"zero_optimization\": {\n    \"stage\": 3,\n  }\n}");
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_THAT(c.status().message(), HasSubstr("not valid JSON: line 4, column 3"));
+  EXPECT_THAT(c.status().message(), ::testing::Not(HasSubstr("[json.exception")));
+
+  c = parse_config_text("{\"stage\": 3");
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_THAT(c.status().message(), HasSubstr("line 1"));
+}
+
+TEST(Config, LoadConfigNamesAMissingOrUnreadableFile) {
+  Result<Config> c = load_config(data_path("no_such_config.json"));
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_EQ(c.status().code(), ErrorCode::kNotFound);
+  EXPECT_THAT(c.status().message(), HasSubstr("no_such_config.json"));
+  EXPECT_THAT(c.status().detail(), HasSubstr("No such file"));
+
+  c = load_config(data_path(""));  // a directory
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_THAT(c.status().message(), HasSubstr(ZINF_CONFIG_TEST_DATA));
+}
+
+TEST(Config, LoadConfigPutsTheFileInFrontOfAValueError) {
+  std::string path = ::testing::TempDir() + "/zinf_bad_config.json";
+  {
+    std::FILE* f = std::fopen(path.c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    std::fputs(R"({"zero_optimization": {"stage": 7}})", f);
+    std::fclose(f);
+  }
+  Result<Config> c = load_config(path);
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_EQ(
+      c.status().message(),
+      "config file " + path + ": zero_optimization.stage: expected an integer in 0..3, got 7");
+  std::remove(path.c_str());
+}
+
+// ---- round trip and logging ------------------------------------------------------------------
+
+Config without_parse_notes(Config c) {
+  c.unknown_keys.clear();
+  c.auto_keys.clear();
+  return c;
+}
+
+void expect_round_trip(const Config& original) {
+  json j = to_json(original);
+  Result<Config> again = parse_config(j);
+  ASSERT_TRUE(again.is_ok()) << again.status().to_string() << "\n" << j.dump(2);
+  EXPECT_EQ(*again, without_parse_notes(original)) << j.dump(2);
+  EXPECT_THAT(again->unknown_keys, IsEmpty()) << j.dump(2);
+  // Through text as well: what log lines and files carry.
+  Result<Config> from_text = parse_config_text(j.dump());
+  ASSERT_TRUE(from_text.is_ok()) << from_text.status().to_string();
+  EXPECT_EQ(*from_text, without_parse_notes(original));
+}
+
+TEST(Config, ToJsonRoundTrips) {
+  for (const char* name : {"zero2_cpu_offload.json", "zero3_nvme_infinity.json",
+                           "zero3_bf16_hf_auto.json", "minimal_fp16.json"}) {
+    SCOPED_TRACE(name);
+    expect_round_trip(load_ok(name));
+  }
+  expect_round_trip(Config{});
+  Config odd{.train_batch_size = 96,
+             .train_micro_batch_size_per_gpu = 0,
+             .gradient_accumulation_steps = 3,
+             .gradient_clipping = 0.3f,
+             .optimizer = {.type = OptimizerConfig::Type::kAdam,
+                           .lr = 7e-7f,
+                           .beta1 = 0.8f,
+                           .beta2 = 0.95f,
+                           .eps = 1e-6f,
+                           .weight_decay = 0.05f,
+                           .adam_w_mode = false,
+                           .bias_correction = false},
+             .fp16 = {.enabled = true, .loss_scale = 128, .min_loss_scale = 0.25f},
+             .zero = {.stage = 3,
+                      .overlap_comm = false,
+                      .sub_group_size = 0,
+                      .offload_param = {.device = OffloadDevice::kCpu, .pin_memory = true},
+                      .offload_optimizer = {.device = OffloadDevice::kNvme,
+                                            .nvme_path = {"/a", "/b", "/c"},
+                                            .buffer_count = 6,
+                                            .pipeline_read = true,
+                                            .ratio = 0.3,
+                                            .fast_init = true}},
+             .aio = {.block_size = 8192, .single_submit = true, .use_gds = true},
+             .zinf = {.device_mem = 1, .trace = "t.json", .seed = ~0ull, .checksum = true},
+             .scheduler = {{"type", "WarmupLR"}}};
+  expect_round_trip(odd);
+}
+
+TEST(Config, LogEffectiveConfigShowsEveryBlock) {
+  Config c = load_ok("zero3_bf16_hf_auto.json");
+  LogCapture capture;
+  log_effective_config(c);
+  std::string text = capture.text();
+  EXPECT_THAT(text, HasSubstr("working_dtype=fp32"));
+  EXPECT_THAT(text, HasSubstr("config zero_optimization:"));
+  EXPECT_THAT(text, HasSubstr("stage=3"));
+  EXPECT_THAT(text, HasSubstr("offload_param.device=\"cpu\""));
+  EXPECT_THAT(text, HasSubstr("config aio: block_size=1048576"));
+  EXPECT_THAT(text, HasSubstr("config optimizer:"));
+  EXPECT_THAT(text, HasSubstr("params.lr=0.001"));
+  EXPECT_THAT(text, HasSubstr("config zinf:"));
+  EXPECT_THAT(text, HasSubstr("\"auto\" given its default for: "));
+  EXPECT_THAT(text, HasSubstr("zero_optimization.reduce_bucket_size"));
+}
+
+}  // namespace
+}  // namespace zinf::config
