@@ -438,7 +438,6 @@ struct Engine::Impl {
       if (u + 1 < unit_states.size()) prefetch_optimizer(u + 1);
       ZINF_RETURN_IF_ERROR(update_unit(u, args));
     }
-    ZINF_RETURN_IF_ERROR(finish_evictions());
     ZINF_RETURN_IF_ERROR(zero_gradients());
     if (s.stage == 1 || s.stage == 2) ZINF_RETURN_IF_ERROR(gather_updated_parameters());
     if (s.dtype == DType::kF16 && s.static_loss_scale == 0 &&
@@ -448,7 +447,9 @@ struct Engine::Impl {
     }
     info.step = steps;
     info.loss_scale = scale;
-    return Status::ok();
+    // The update is complete in memory. A failed write-back is reported, but the data stays
+    // valid where it is (and is written back later): training can go on.
+    return finish_evictions();
   }
 
   // Called at each gather: records the order, or follows it and prefetches the next units'
