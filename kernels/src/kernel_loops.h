@@ -14,7 +14,9 @@
 //   squares_add16(acc, const F* x, double scale)
 //                                      16 lanes of double: lane t += (double(x_t) * scale)^2 with
 //                                      one double FMA, for 16 consecutive elements (16 / kW
-//                                      vectors)
+//                                      vectors); the scalar V (kW = 1) also has
+//                                      square_add(double& lane, F x, double scale) for the last,
+//                                      partial group
 #pragma once
 
 #include <cstddef>
@@ -96,6 +98,9 @@ inline BasicAdamCoeffs<typename V::F> splat_coeffs(const AdamCoeffs& c) {
   return s;
 }
 
+// One pass, everything fused: on the CPUs measured (docs/cpu-adam.md) the loop's limit in cache
+// is the divider (one sqrt and one div per element), so splitting the conversions into separate
+// L1 passes gained nothing.
 template <class V, DType G, CopyKind C>
 size_t adam_loop(const AdamCoeffs& coeffs, const AdamSpan& s, bool* nonfinite) {
   using F = typename V::F;

@@ -85,6 +85,7 @@ TEST(Offload, BudgetsHoldWhileTheStateIsSeveralTimesLarger) {
   s.optimizer_home = Tier::kNvme;
   s.nvme_paths = {nvme.path()};
   s.staging_bytes = 1 << 20;
+  s.staging_buffers = 2;
   s.device_mem = 14 << 20;  // one gathered unit, its gradients and shards
   s.host_mem = 30 << 20;    // staging, gradient shards, two units of optimizer state
   RunResult r = train_local(s, world, 2, 2, shape);

@@ -62,7 +62,8 @@ class StoreTest : public ::testing::Test {
         .budget_bytes = s.host_budget, .pin = false, .engine = engine_.get(), .ledger = &ledger_});
     auto st = TieredTensorStore::create({.device = device_.get(), .host = pool_.get(),
                                          .swap = swap_.get(), .ledger = &ledger_,
-                                         .staging_bytes = s.staging, .movers = 2});
+                                         .staging_bytes = s.staging, .staging_buffers = 2,
+                                         .movers = 2});
     ASSERT_TRUE(st.is_ok()) << st.status().to_string();
     store_ = std::move(st).value();
   }

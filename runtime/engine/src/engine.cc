@@ -170,7 +170,9 @@ struct Engine::Impl {
                                                             .host = pool.get(),
                                                             .swap = swap.get(),
                                                             .ledger = &ledger,
-                                                            .staging_bytes = s.staging_bytes}));
+                                                            .staging_bytes = s.staging_bytes,
+                                                            .staging_buffers =
+                                                                s.staging_buffers}));
     if (s.static_loss_scale > 0) {
       scale = s.static_loss_scale;
     } else if (s.dtype == DType::kF16) {

@@ -2,6 +2,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <thread>
 
@@ -133,6 +134,9 @@ class CpuStream final : public Stream {
 class CpuDevice final : public Device {
  public:
   explicit CpuDevice(const CpuDeviceOptions& o) : options_(o) {}
+  ~CpuDevice() override {
+    for (auto& [size, p] : cache_) std::free(p);
+  }
 
   std::string name() const override { return "cpu"; }
   bool host_addressable() const override { return true; }
@@ -140,19 +144,35 @@ class CpuDevice final : public Device {
   Result<DeviceBuffer> allocate(uint64_t bytes, MemoryCategory category) override {
     if (bytes == 0) return DeviceBuffer();
     uint64_t padded = align_up(bytes, 4096);
+    void* p = nullptr;
     {
       std::lock_guard lock(mu_);
-      if (in_use_ + padded > options_.budget_bytes) {
-        return make_error(ErrorCode::kOutOfMemory,
-                          "device budget exhausted: {} requested for {} while {} of the {} "
-                          "budget is in use",
-                          format_bytes(static_cast<double>(bytes)), category_name(category),
-                          format_bytes(static_cast<double>(in_use_)),
-                          format_bytes(static_cast<double>(options_.budget_bytes)));
+      // Freed blocks are kept mapped and reused by requests of the same size (as a GPU caching
+      // allocator does): fresh pages would cost a page fault each on first touch.
+      if (auto it = cache_.find(padded); it != cache_.end()) {
+        p = it->second;
+        cache_.erase(it);
+        cached_ -= padded;
+      } else {
+        // The budget covers blocks in use and cached ones; drop cached blocks to make room.
+        while (in_use_ + cached_ + padded > options_.budget_bytes && !cache_.empty()) {
+          auto last = std::prev(cache_.end());
+          std::free(last->second);
+          cached_ -= last->first;
+          cache_.erase(last);
+        }
+        if (in_use_ + padded > options_.budget_bytes) {
+          return make_error(ErrorCode::kOutOfMemory,
+                            "device budget exhausted: {} requested for {} while {} of the {} "
+                            "budget is in use",
+                            format_bytes(static_cast<double>(bytes)), category_name(category),
+                            format_bytes(static_cast<double>(in_use_)),
+                            format_bytes(static_cast<double>(options_.budget_bytes)));
+        }
       }
       in_use_ += padded;
     }
-    void* p = std::aligned_alloc(4096, padded);
+    if (p == nullptr) p = std::aligned_alloc(4096, padded);
     if (p == nullptr) {
       std::lock_guard lock(mu_);
       in_use_ -= padded;
@@ -183,16 +203,19 @@ class CpuDevice final : public Device {
 
  protected:
   void release(void* data, uint64_t bytes, MemoryCategory category) override {
-    std::free(data);
     if (options_.ledger) options_.ledger->sub(Tier::kDevice, category, bytes);
     std::lock_guard lock(mu_);
     in_use_ -= bytes;
+    cache_.emplace(bytes, data);
+    cached_ += bytes;
   }
 
  private:
   CpuDeviceOptions options_;
   mutable std::mutex mu_;
   uint64_t in_use_ = 0;
+  uint64_t cached_ = 0;
+  std::multimap<uint64_t, void*> cache_;  // size -> freed block kept for reuse
 };
 
 }  // namespace

@@ -45,7 +45,7 @@ struct Tensor {
 
 // A staging pair and a copy stream: what one transfer needs.
 struct Lane {
-  PinnedBuffer staging[2];
+  std::vector<PinnedBuffer> staging;
   std::unique_ptr<Stream> stream;
 };
 
@@ -120,94 +120,98 @@ struct TieredTensorStore::Impl {
     return s;
   }
 
-  // Double-buffered: the read of piece i+1 overlaps the copy of piece i to the device.
+  // K-buffered: reads of pieces i+1..i+K-1 are in flight while piece i is copied to the device.
   Status nvme_to_device(Lane& lane, io::ExtentId extent, void* dst, uint64_t bytes) {
     const uint64_t piece = o.staging_bytes;
     const uint64_t n = (bytes + piece - 1) / piece;
+    const uint64_t k = lane.staging.size();
     std::vector<std::future<Status>> reads(n);
     std::vector<Event> copied(n);
-    auto start_read = [&](uint64_t i) {
+    uint64_t next_read = 0;
+    Status first_error;
+    auto issue_read = [&](uint64_t j) {
       auto p = std::make_shared<std::promise<Status>>();
-      reads[i] = p->get_future();
-      uint64_t len = std::min(piece, bytes - i * piece);
-      Status s = o.swap->read_range_async(extent, i * piece, len, lane.staging[i % 2].data(),
+      reads[j] = p->get_future();
+      uint64_t len = std::min(piece, bytes - j * piece);
+      Status s = o.swap->read_range_async(extent, j * piece, len, lane.staging[j % k].data(),
                                           [p](Status st) { p->set_value(std::move(st)); });
       if (!s.is_ok()) p->set_value(std::move(s));
     };
-    start_read(0);
-    Status first_error;
-    uint64_t i = 0;
-    for (; i < n; ++i) {
+    // Reads up to piece `limit`; piece j reuses buffer j % k once piece j - k was copied out.
+    auto refill = [&](uint64_t limit) {
+      while (first_error.is_ok() && next_read < n && next_read <= limit) {
+        if (next_read >= k) {
+          Status c = copied[next_read - k].wait();
+          if (!c.is_ok()) {
+            first_error = std::move(c);
+            return;
+          }
+        }
+        issue_read(next_read++);
+      }
+    };
+    refill(k - 1);
+    for (uint64_t i = 0; i < n && first_error.is_ok(); ++i) {
       Status r = reads[i].get();
       if (!r.is_ok()) {
         first_error = std::move(r);
         break;
       }
-      if (i + 1 < n) {
-        if (i >= 1) {  // the buffer piece i+1 lands in was last copied out by piece i-1
-          Status c = copied[i - 1].wait();
-          if (!c.is_ok()) {
-            first_error = std::move(c);
-            break;
-          }
-        }
-        start_read(i + 1);
-      }
       uint64_t len = std::min(piece, bytes - i * piece);
-      o.device->copy_async(static_cast<char*>(dst) + i * piece, lane.staging[i % 2].data(), len,
+      o.device->copy_async(static_cast<char*>(dst) + i * piece, lane.staging[i % k].data(), len,
                            *lane.stream);
       copied[i] = lane.stream->record();
+      refill(i + k);
     }
     // Nothing may still write into the staging buffers when we return.
-    if (i + 1 < n && i < n && reads[i + 1].valid()) (void)reads[i + 1].get();
+    for (uint64_t j = 0; j < next_read; ++j) {
+      if (reads[j].valid()) (void)reads[j].get();
+    }
     Status tail = lane.stream->synchronize();
     if (first_error.is_ok()) first_error = std::move(tail);
     return first_error;
   }
 
-  // Double-buffered: the copy of piece i+1 out of the device overlaps the write of piece i.
+  // K-buffered: copies out of the device of pieces i+1.. overlap the NVMe writes of earlier ones.
   Status device_to_nvme(Lane& lane, const void* src, io::ExtentId extent, uint64_t bytes) {
     const uint64_t piece = o.staging_bytes;
     const uint64_t n = (bytes + piece - 1) / piece;
+    const uint64_t k = lane.staging.size();
     std::vector<std::future<Status>> writes(n);
-    auto copy_out = [&](uint64_t i) {
-      uint64_t len = std::min(piece, bytes - i * piece);
-      o.device->copy_async(lane.staging[i % 2].data(), static_cast<const char*>(src) + i * piece,
-                           len, *lane.stream);
-      return lane.stream->record();
-    };
+    std::vector<Event> ready(n);
+    uint64_t next_copy = 0;
     Status first_error;
-    Event ready = copy_out(0);
-    for (uint64_t i = 0; i < n; ++i) {
-      Status c = ready.wait();
-      if (!c.is_ok()) {
-        first_error = std::move(c);
-        break;
+    auto note = [&](Status s) {
+      if (first_error.is_ok() && !s.is_ok()) first_error = std::move(s);
+    };
+    // Copies out up to piece `limit`; piece j reuses buffer j % k once write j - k is done.
+    auto refill = [&](uint64_t limit) {
+      while (first_error.is_ok() && next_copy < n && next_copy <= limit) {
+        if (next_copy >= k && writes[next_copy - k].valid()) note(writes[next_copy - k].get());
+        if (!first_error.is_ok()) return;
+        uint64_t len = std::min(piece, bytes - next_copy * piece);
+        o.device->copy_async(lane.staging[next_copy % k].data(),
+                             static_cast<const char*>(src) + next_copy * piece, len, *lane.stream);
+        ready[next_copy] = lane.stream->record();
+        ++next_copy;
       }
-      if (i + 1 < n) {
-        if (i >= 1) {  // piece i+1 reuses the buffer piece i-1 is being written from
-          Status w = writes[i - 1].get();
-          if (!w.is_ok()) {
-            first_error = std::move(w);
-            break;
-          }
-        }
-        ready = copy_out(i + 1);
-      }
+    };
+    refill(k - 1);
+    for (uint64_t i = 0; i < n && first_error.is_ok(); ++i) {
+      note(ready[i].wait());
+      if (!first_error.is_ok()) break;
       auto p = std::make_shared<std::promise<Status>>();
       writes[i] = p->get_future();
       uint64_t len = std::min(piece, bytes - i * piece);
-      Status s = o.swap->write_range_async(extent, i * piece, len, lane.staging[i % 2].data(),
+      Status s = o.swap->write_range_async(extent, i * piece, len, lane.staging[i % k].data(),
                                            [p](Status st) { p->set_value(std::move(st)); });
       if (!s.is_ok()) p->set_value(std::move(s));
+      refill(i + k);
     }
     for (auto& w : writes) {
-      if (!w.valid()) continue;
-      Status s = w.get();
-      if (first_error.is_ok() && !s.is_ok()) first_error = std::move(s);
+      if (w.valid()) note(w.get());
     }
-    Status tail = lane.stream->synchronize();
-    if (first_error.is_ok()) first_error = std::move(tail);
+    note(lane.stream->synchronize());
     return first_error;
   }
 
@@ -490,12 +494,12 @@ Result<std::unique_ptr<TieredTensorStore>> TieredTensorStore::create(const Store
           return make_error(ErrorCode::kInvalidArgument,
                             "NVMe <-> device moves need a pinned host pool for staging");
         }
-        for (auto& buf : lane->staging) {
-          auto b = options.host->allocate(options.staging_bytes, MemoryCategory::kBuffers);
-          if (!b.is_ok()) {
-            return std::move(b).take_status().with_context("allocating staging buffers");
+        for (uint32_t b = 0; b < std::max<uint32_t>(options.staging_buffers, 2); ++b) {
+          auto buf = options.host->allocate(options.staging_bytes, MemoryCategory::kBuffers);
+          if (!buf.is_ok()) {
+            return std::move(buf).take_status().with_context("allocating staging buffers");
           }
-          buf = std::move(b).value();
+          lane->staging.push_back(std::move(buf).value());
         }
       }
       impl->free_lanes.push_back(lane.get());

@@ -66,7 +66,8 @@ struct EngineSettings {
   std::vector<std::string> nvme_paths;
   uint64_t device_mem = 0;             // device budget in bytes; 0 = unlimited
   uint64_t host_mem = 0;               // pinned-host budget in bytes; 0 = unlimited
-  uint64_t staging_bytes = 4ull << 20; // NVMe <-> device staging piece (multiple of 1 MiB)
+  uint64_t staging_bytes = 2ull << 20; // NVMe <-> device staging piece (multiple of 1 MiB)
+  uint32_t staging_buffers = 4;        // staging pieces in flight per move
   size_t prefetch_units = 2;           // stage 3 offload: units prefetched ahead along the trace
   bool checksum = false;               // XXH3 per swapped 1 MiB block, verified on read
   uint32_t io_queue_depth = 32;        // aio.queue_depth

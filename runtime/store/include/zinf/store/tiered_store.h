@@ -14,9 +14,9 @@
 //    written back to their home; victims are chosen by farthest next use (set_next_use) when
 //    known, least recently used otherwise. Nothing pinned is ever evicted; if everything is,
 //    acquire fails with kOutOfMemory naming the tensor, the tier and the budget.
-//  - Moves: NVMe -> device and device -> NVMe go through pinned staging buffers in pieces of
-//    `staging_bytes`, double-buffered so the NVMe transfer of piece i+1 overlaps the copy of
-//    piece i; host <-> NVMe moves read and write the host copy directly.
+//  - Moves: NVMe -> device and device -> NVMe go through `staging_buffers` pinned staging
+//    buffers in pieces of `staging_bytes`, so the NVMe transfers of the next pieces overlap the
+//    copy of the current one; host <-> NVMe moves read and write the host copy directly.
 //  - Errors from below (I/O error, no space, no memory) reach the caller of acquire(), evict()
 //    or flush() with the tensor named; the data stays valid in the tier that still holds it.
 //  - Thread-safe. Moves run on `movers` threads owned by the store.
@@ -50,7 +50,8 @@ struct StoreOptions {
   PinnedPool* host = nullptr;       // the kHost tier (budgeted by the pool) and staging
   io::SwapSpace* swap = nullptr;    // the kNvme tier; required for tensors homed there
   Ledger* ledger = nullptr;         // NVMe bytes are accounted here (device/host by their owners)
-  uint64_t staging_bytes = 4ull << 20;  // piece size of NVMe <-> device moves (multiple of 1 MiB)
+  uint64_t staging_bytes = 2ull << 20;  // piece size of NVMe <-> device moves (multiple of 1 MiB)
+  uint32_t staging_buffers = 4;         // pieces in flight per move (at least 2)
   uint32_t movers = 2;
 };
 
