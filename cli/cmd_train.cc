@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "command.h"
+#include "zinf/core/trace.h"
 #include "zinf/core/units.h"
 #include "zinf/engine/settings.h"
 #include "zinf/gpt/trainer.h"
@@ -93,6 +94,7 @@ void run(const Args& a, const CLI::App& sub) {
   o.export_path = a.export_path;
   o.log_json = a.log_json;
   EngineSettings& e = o.engine;
+  std::string trace_path = a.trace;
   // A DeepSpeed JSON config sets the defaults; flags given on the command line win.
   bool from_config = !a.config.empty();
   if (from_config) {
@@ -108,6 +110,7 @@ void run(const Args& a, const CLI::App& sub) {
     e = *settings;
     if (!given("--batch")) o.batch = static_cast<int>(cfg->train_micro_batch_size_per_gpu);
     if (!given("--seed") && cfg->zinf.seed) o.seed = cfg->zinf.seed;  // zinf.seed in the config
+    if (!given("--trace")) trace_path = cfg->zinf.trace;
   } else {
     e.adam.weight_decay = 0.01f;
   }
@@ -187,8 +190,14 @@ void run(const Args& a, const CLI::App& sub) {
       log->flush();
     }
   };
+  if (!trace_path.empty()) trace::start(trace_path);
   auto report = gpt::train(o, on_step);
   if (tty) std::fprintf(stderr, "\n");
+  if (!trace_path.empty()) {
+    Status ts = trace::stop();
+    if (!ts.is_ok()) throw CliError(ts.detail());
+    if (!a.quiet) std::printf("trace written to %s (open it in ui.perfetto.dev)\n", trace_path.c_str());
+  }
   if (!report.is_ok()) throw CliError(report.status().detail());
   if (a.quiet) return;
   std::printf("loss %.4f -> %.4f (chance: %.4f)\n", report->initial_loss, report->final_loss,
@@ -225,6 +234,9 @@ const Registration kTrain{
       sub.add_option("--host-mem", a->host_mem, "Pinned host budget per rank, e.g. 4G");
       sub.add_option("--grad-accum", a->grad_accum, "Micro-steps per step (default 1)");
       sub.add_option("--clip", a->clip, "Global gradient-norm clipping, 0 = off (default 1.0)");
+      sub.add_option("--trace", a->trace,
+                     "Write a Chrome/Perfetto trace (tracks per rank: compute, comm, copy, NVMe "
+                     "read/write, CPU Adam)");
       sub.add_option("--log-json", a->log_json, "Write one JSON object per step to this file");
       sub.add_option("--export", a->export_path, "Write the final fp32 weights (.safetensors)");
       sub.add_option("--sample", a->sample, "Generate this many bytes of text at the end");

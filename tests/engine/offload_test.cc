@@ -95,9 +95,8 @@ TEST(Offload, BudgetsHoldWhileTheStateIsSeveralTimesLarger) {
   for (int rank = 0; rank < world; ++rank) {
     EXPECT_LE(r.memory[rank].tiers[static_cast<int>(Tier::kDevice)].peak, s.device_mem);
     EXPECT_LE(r.memory[rank].tiers[static_cast<int>(Tier::kHost)].peak, s.host_mem);
-    // NVMe holds this rank's parameter shard and Adam m and v (12 bytes per parameter / N);
-    // the fp32 gradient shard lives in host memory, as DeepSpeed keeps it.
-    EXPECT_EQ(r.memory[rank].tiers[static_cast<int>(Tier::kNvme)].current, 12 * P / world);
+    // NVMe holds this rank's whole training state: parameter shard, gradient shard, m and v.
+    EXPECT_EQ(r.memory[rank].tiers[static_cast<int>(Tier::kNvme)].current, state_bytes / world);
   }
   // And the same bits as with everything resident.
   EngineSettings plain;

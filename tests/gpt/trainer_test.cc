@@ -6,9 +6,12 @@
 
 #include <cstring>
 #include <fstream>
+#include <map>
+#include <set>
 #include <nlohmann/json.hpp>
 
 #include "../io/test_dir.h"
+#include "zinf/core/trace.h"
 
 namespace zinf::gpt {
 namespace {
@@ -82,6 +85,33 @@ TEST(Trainer, ExportsSafetensorsAndSamples) {
   EXPECT_EQ(total, static_cast<uint64_t>(parameter_count(o.model)) * 4);
   in.seekg(0, std::ios::end);
   EXPECT_EQ(static_cast<uint64_t>(in.tellg()), 8 + n + total);
+}
+
+TEST(Trainer, TraceHasOneTrackPerStreamOfWork) {
+  zinf::testing::TempDir dir;
+  TrainOptions o = tiny_options();
+  o.steps = 2;
+  o.engine.stage = 3;
+  o.engine.param_home = Tier::kNvme;
+  o.engine.optimizer_home = Tier::kNvme;
+  o.engine.nvme_paths = {dir.path()};
+  trace::start(dir.file("trace.json"));
+  auto r = train(o);
+  ASSERT_TRUE(trace::stop().is_ok());
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  std::ifstream in(dir.file("trace.json"));
+  auto j = nlohmann::json::parse(in);
+  std::set<std::string> tracks;
+  std::map<int, int> events_per_track;
+  for (auto& e : j["traceEvents"]) {
+    if (e["ph"] == "M") tracks.insert(e["args"]["name"].get<std::string>());
+    if (e["ph"] == "X") ++events_per_track[e["tid"].get<int>()];
+  }
+  for (const char* t : {"compute", "comm", "nvme read", "nvme write", "cpu adam"}) {
+    EXPECT_TRUE(tracks.count(std::string("rank0 ") + t)) << t;
+    EXPECT_TRUE(tracks.count(std::string("rank1 ") + t)) << t;
+  }
+  EXPECT_EQ(events_per_track.size(), tracks.size());  // every track has events
 }
 
 TEST(Trainer, BadInputIsAClearError) {

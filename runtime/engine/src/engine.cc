@@ -6,6 +6,7 @@
 #include <deque>
 
 #include "zinf/core/log.h"
+#include "zinf/core/trace.h"
 #include "zinf/core/units.h"
 #include "zinf/io/io_engine.h"
 #include "zinf/io/swap_space.h"
@@ -103,6 +104,11 @@ struct Engine::Impl {
 
   Impl(const EngineSettings& settings, comm::Communicator& c) : s(settings), comm(c) {}
 
+  // "rank<r> <what>": this rank's track in a trace.
+  std::string track(const char* what) const {
+    return *what ? fmt::format("rank{} {}", rank, what) : fmt::format("rank{}", rank);
+  }
+
   Tier compute_tier() const {
     return s.optimizer_home == Tier::kDevice ? Tier::kDevice : Tier::kHost;
   }
@@ -172,7 +178,8 @@ struct Engine::Impl {
                                                             .ledger = &ledger,
                                                             .staging_bytes = s.staging_bytes,
                                                             .staging_buffers =
-                                                                s.staging_buffers}));
+                                                                s.staging_buffers,
+                                                            .trace_name = track("")}));
     if (s.static_loss_scale > 0) {
       scale = s.static_loss_scale;
     } else if (s.dtype == DType::kF16) {
@@ -198,11 +205,11 @@ struct Engine::Impl {
                                               MemoryCategory::kOptimizerStates));
       ZINF_ASSIGN_OR_RETURN(st.v, make_tensor(units[u], "adam_v", state_n * 4, s.optimizer_home,
                                               MemoryCategory::kOptimizerStates));
-      // Gradients are accumulated where the optimizer reads them: on the device, or in host
-      // memory when the optimizer is offloaded (to the CPU or NVMe), as DeepSpeed does.
+      // The fp32 gradient shard lives with the optimizer state (device, host or NVMe), so that
+      // with NVMe offload no training state is bound to memory (the host budget caches it).
       ZINF_ASSIGN_OR_RETURN(st.grad_acc,
                             make_tensor(units[u], "grad_acc", (s.stage <= 1 ? full : shard) * 4,
-                                        compute_tier(), MemoryCategory::kGradients));
+                                        s.optimizer_home, MemoryCategory::kGradients));
       unit_states.push_back(std::move(st));
       ZINF_RETURN_IF_ERROR(initialise(u));
     }
@@ -288,6 +295,7 @@ struct Engine::Impl {
   Status finish_front() {
     Pending p = std::move(pending.front());
     pending.pop_front();
+    trace::Span span(track("comm"), "reduce " + units[p.unit].name);
     Status first;
     for (auto& w : p.works) {
       Status ws = w.wait();
@@ -507,6 +515,7 @@ struct Engine::Impl {
     ZINF_ASSIGN_OR_RETURN(TensorHandle v, store->acquire(st.v, tier));
     ZINF_ASSIGN_OR_RETURN(TensorHandle acc, store->acquire(st.grad_acc, tier));
     const uint64_t wsize = dtype_size(s.dtype);
+    trace::Span span(track("cpu adam"), "adam " + units[u].name);
     for (const zero::Segment& seg : zero::segments(st.layout, owned_begin(st), owned_end(st))) {
       kernels::AdamConfig cfg = s.adam;
       if (!seg.weight_decay) cfg.weight_decay = 0;
@@ -533,6 +542,7 @@ struct Engine::Impl {
     v.release();
     acc.release();
     if (tier != Tier::kDevice) {
+      release_offloaded(st.grad_acc, s.optimizer_home, tier);
       release_offloaded(st.m, s.optimizer_home, tier);
       release_offloaded(st.v, s.optimizer_home, tier);
       if (mixed) release_offloaded(st.master, s.optimizer_home, tier);
@@ -584,6 +594,7 @@ UnitScope& UnitScope::operator=(UnitScope&& o) noexcept {
     param_handle_ = std::move(o.param_handle_);
     gathered_ = std::move(o.gathered_);
     grads_ = std::move(o.grads_);
+    opened_ = o.opened_;
   }
   return *this;
 }
@@ -644,6 +655,7 @@ Result<UnitScope> Engine::gather(size_t unit) {
   UnitScope scope;
   scope.engine_ = this;
   scope.unit_ = unit;
+  scope.opened_ = trace::Clock::now();
   ZINF_ASSIGN_OR_RETURN(TensorHandle h, s.store->acquire(st.params, Tier::kDevice));
   if (s.s.stage < 3) {
     scope.params_ = h.data();
@@ -659,7 +671,11 @@ Result<UnitScope> Engine::gather(size_t unit) {
   }
   comm::Work w = s.comm.all_gather(h.data(), full->data(), st.layout.shard_numel, s.s.dtype);
   s.comm_now.param_gather_elements += st.layout.numel_padded;
-  Status ws = w.wait();
+  Status ws;
+  {
+    trace::Span span(s.track("comm"), "all-gather " + s.units[unit].name);
+    ws = w.wait();
+  }
   if (!ws.is_ok()) {
     scope.engine_ = nullptr;
     return std::move(ws).with_context("gathering unit " + s.units[unit].name);
@@ -690,6 +706,11 @@ void* Engine::scope_grads(UnitScope& scope) {
 
 Status Engine::end_scope(UnitScope& scope) {
   Impl& s = *impl_;
+  if (trace::enabled()) {
+    trace::complete(s.track("compute"),
+                    (scope.grads_ ? "backward " : "forward ") + s.units[scope.unit_].name,
+                    scope.opened_);
+  }
   scope.param_handle_.release();
   scope.gathered_.reset();
   scope.params_ = nullptr;

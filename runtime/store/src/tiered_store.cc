@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "zinf/core/log.h"
+#include "zinf/core/trace.h"
 #include "zinf/core/units.h"
 
 namespace zinf {
@@ -215,6 +216,12 @@ struct TieredTensorStore::Impl {
     return first_error;
   }
 
+  // The trace track of a move between two tiers.
+  std::string track(Tier from, Tier to) const {
+    const char* kind = from == Tier::kNvme ? "nvme read" : to == Tier::kNvme ? "nvme write" : "copy";
+    return o.trace_name + " " + kind;
+  }
+
   Endpoint endpoint(const Tensor& t, Tier tier) const {
     return Endpoint{tier, t.copies[idx(tier)].ptr, t.extent};
   }
@@ -293,8 +300,13 @@ struct TieredTensorStore::Impl {
     Endpoint src = endpoint(*t, tier), dst = endpoint(*t, t->spec.home);
     auto job = std::make_shared<Job>();
     home.incoming = job;
+    std::string name = t->spec.name;
     lk.unlock();
-    Status s = transfer(src, dst, t->padded);
+    Status s;
+    {
+      trace::Span span(track(tier, t->spec.home), name);
+      s = transfer(src, dst, t->padded);
+    }
     lk.lock();
     home.incoming.reset();
     job->status = s;
@@ -385,8 +397,13 @@ struct TieredTensorStore::Impl {
     ++sc.pins;
     uint64_t version = t->version;
     Endpoint from = endpoint(*t, src), to = endpoint(*t, dst);
+    std::string name = t->spec.name;
     lk.unlock();
-    Status s = transfer(from, to, t->padded);
+    Status s;
+    {
+      trace::Span span(track(src, dst), name);
+      s = transfer(from, to, t->padded);
+    }
     lk.lock();
     --sc.pins;
     if (!s.is_ok()) {

@@ -28,6 +28,7 @@
 // elementwise Adam; so all stages give bit-identical parameters for the same world size.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -110,6 +111,7 @@ class UnitScope {
   TensorHandle param_handle_;   // stages 0-2: the resident full parameters
   DeviceBuffer gathered_;       // stage 3: the all-gathered full parameters
   DeviceBuffer grads_;
+  std::chrono::steady_clock::time_point opened_;  // for the trace
 };
 
 struct StepInfo {

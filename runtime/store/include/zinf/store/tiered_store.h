@@ -53,6 +53,7 @@ struct StoreOptions {
   uint64_t staging_bytes = 2ull << 20;  // piece size of NVMe <-> device moves (multiple of 1 MiB)
   uint32_t staging_buffers = 4;         // pieces in flight per move (at least 2)
   uint32_t movers = 2;
+  std::string trace_name = "store";     // prefix of this store's tracks in a trace (e.g. "rank0")
 };
 
 struct StoreStats {
