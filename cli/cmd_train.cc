@@ -1,4 +1,5 @@
 // `zinf train`: the GPT example trained through the Engine.
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -38,7 +39,15 @@ struct Args {
   std::string trace, log_json, export_path;
   int sample = 0;
   bool quiet = false;
+  bool describe = false;
 };
+
+// Peak resident set size of this process, in bytes.
+uint64_t peak_rss_bytes() {
+  struct rusage ru {};
+  ::getrusage(RUSAGE_SELF, &ru);
+  return static_cast<uint64_t>(ru.ru_maxrss) * 1024;
+}
 
 Tier parse_offload(const std::string& flag, const std::string& v) {
   if (v == "none") return Tier::kDevice;
@@ -84,6 +93,16 @@ void run(const Args& a, const CLI::App& sub) {
   if (a.dim) o.model.dim = a.dim;
   if (a.heads) o.model.heads = a.heads;
   if (a.seq) o.model.seq = a.seq;
+  if (a.describe) {
+    if (Status s = gpt::validate(o.model); !s.is_ok()) throw CliError(s.detail(), 2);
+    uint64_t p = static_cast<uint64_t>(gpt::parameter_count(o.model));
+    nlohmann::json j = {{"model", a.model},
+                        {"shape", gpt::describe(o.model)},
+                        {"parameters", p},
+                        {"training_state_bytes_fp32", 16 * p}};
+    std::printf("%s\n", j.dump().c_str());
+    return;
+  }
   o.batch = a.batch;
   o.steps = a.steps;
   o.seed = a.seed;
@@ -181,7 +200,8 @@ void run(const Args& a, const CLI::App& sub) {
                           {"nvme_read_bytes", s.nvme_read},
                           {"nvme_written_bytes", s.nvme_written},
                           {"param_gather_elements", s.comm.param_gather_elements},
-                          {"grad_reduce_elements", s.comm.grad_reduce_elements}};
+                          {"grad_reduce_elements", s.comm.grad_reduce_elements},
+                          {"peak_rss_bytes", peak_rss_bytes()}};
       for (int t = 0; t < kNumTiers; ++t) {
         j["bytes_" + std::string(tier_name(static_cast<Tier>(t)))] = s.memory.tiers[t].current;
         j["peak_bytes_" + std::string(tier_name(static_cast<Tier>(t)))] = s.memory.tiers[t].peak;
@@ -203,6 +223,8 @@ void run(const Args& a, const CLI::App& sub) {
   std::printf("loss %.4f -> %.4f (chance: %.4f)\n", report->initial_loss, report->final_loss,
               std::log(256.0));
   print_memory_table(*report, e.dtype);
+  std::printf("  peak resident memory of this process: %s\n",
+              format_bytes(static_cast<double>(peak_rss_bytes())).c_str());
   if (!a.export_path.empty()) std::printf("\nexported fp32 weights to %s\n", a.export_path.c_str());
   if (a.sample > 0) std::printf("\nsample:\n%s\n", report->sample.c_str());
 }
@@ -241,6 +263,8 @@ const Registration kTrain{
       sub.add_option("--export", a->export_path, "Write the final fp32 weights (.safetensors)");
       sub.add_option("--sample", a->sample, "Generate this many bytes of text at the end");
       sub.add_flag("--quiet", a->quiet, "Print nothing but errors");
+      sub.add_flag("--describe", a->describe,
+                   "Print the model's shape and parameter count as JSON and exit");
       sub.callback([a, &sub] { run(*a, sub); });
     }};
 

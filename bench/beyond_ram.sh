@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The ZeRO-Infinity promise on this machine: train a model whose fp32 training state (parameters,
+# gradients, Adam m and v: 16 bytes per parameter) is larger than the machine's RAM, with device
+# and host budgets of a few GiB, for two steps. Prints the state size, the peak resident memory
+# of the process, and the NVMe traffic per step against the ZeRO-Infinity arithmetic.
+#
+#   bench/beyond_ram.sh [NVME_DIR] [PRESET]        (env: ZINF=build/cli/zinf, BUDGET=3G, SEQ=32)
+set -euo pipefail
+DIR=${1:-.zinf/beyond}
+PRESET=${2:-2b}
+ZINF=${ZINF:-build/cli/zinf}
+BUDGET=${BUDGET:-3G}
+SEQ=${SEQ:-32}
+[ -x "$ZINF" ] || { echo "$ZINF not found: build first (make build)" >&2; exit 1; }
+mkdir -p "$DIR"
+LOG=$(mktemp)
+trap 'rm -f "$LOG"' EXIT
+
+ram=$(awk '/MemTotal/ { print $2 * 1024 }' /proc/meminfo)
+state=$("$ZINF" train --model "$PRESET" --describe | python3 -c 'import json,sys; print(json.load(sys.stdin)["training_state_bytes_fp32"])')
+params=$((state / 16))
+echo "model $PRESET: $params parameters, fp32 training state $((state >> 20)) MiB, RAM $((ram >> 20)) MiB"
+if [ "$state" -le "$ram" ]; then
+  echo "note: the training state of $PRESET fits in RAM here; pick a larger preset" >&2
+fi
+
+"$ZINF" train --model "$PRESET" --ranks 1 --stage 3 --offload-param nvme --offload-optimizer nvme \
+  --nvme-path "$DIR" --device-mem "$BUDGET" --host-mem "$BUDGET" --batch 1 --seq "$SEQ" \
+  --steps 2 --log-json "$LOG"
+
+python3 - "$LOG" "$state" "$params" <<'PY'
+import json, sys
+log, state, params = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+steps = [json.loads(l) for l in open(log)]
+rss = max(s["peak_rss_bytes"] for s in steps)
+# ZeRO-Infinity, stage 3, one rank, everything on NVMe: each step reads the fp32 parameters
+# twice (forward and backward gathers) and the optimizer reads and writes parameters, gradients,
+# m and v (16 bytes per parameter each way); gradient accumulation reads and writes the fp32
+# gradient shard once more. Predicted: reads 4P*2 + 16P + 4P = 28P, writes 16P + 4P = 20P bytes.
+pred_read, pred_write = 28 * params, 20 * params
+for s in steps:
+    print(f"step {s['step']}: loss {s['loss']:.4f}, {s['seconds']:.1f} s, NVMe read "
+          f"{s['nvme_read_bytes'] / 2**30:.2f} GiB (predicted {pred_read / 2**30:.2f}), written "
+          f"{s['nvme_written_bytes'] / 2**30:.2f} GiB (predicted {pred_write / 2**30:.2f})")
+print(json.dumps({"parameters": params, "training_state_bytes": state, "peak_rss_bytes": rss,
+                  "rss_fraction_of_state": rss / state,
+                  "nvme_read_bytes_per_step": steps[-1]["nvme_read_bytes"],
+                  "nvme_written_bytes_per_step": steps[-1]["nvme_written_bytes"],
+                  "predicted_read_bytes": pred_read, "predicted_written_bytes": pred_write}))
+print("peak RSS is {:.1%} of the training state: {}".format(
+    rss / state, "target met (<= 25%)" if rss <= state / 4 else "target missed (> 25%)"))
+PY
+rm -rf "$DIR"/zinf-*
