@@ -16,7 +16,7 @@ mkdir -p "$DIR"
 LOG=$(mktemp)
 trap 'rm -f "$LOG"' EXIT
 
-ram=$(awk '/MemTotal/ { print $2 * 1024 }' /proc/meminfo)
+ram=$(awk '/MemTotal/ { printf "%d", $2 * 1024 }' /proc/meminfo)
 state=$("$ZINF" train --model "$PRESET" --describe | python3 -c 'import json,sys; print(json.load(sys.stdin)["training_state_bytes_fp32"])')
 params=$((state / 16))
 echo "model $PRESET: $params parameters, fp32 training state $((state >> 20)) MiB, RAM $((ram >> 20)) MiB"

@@ -93,7 +93,8 @@ const Registration kBenchIo{
       sub.add_option("--path", a->path, "Directory to test (a file is created and removed)")
           ->required();
       sub.add_option("--size", a->size, "Bytes to transfer, e.g. 4G (default 1G)");
-      sub.add_option("--block-size", a->block_size, "Bytes per request, e.g. 1M, 128K (default 1M)");
+      sub.add_option("--block-size", a->block_size,
+                     "Bytes per request, e.g. 1M, 128K (default 1M)");
       sub.add_option("--queue-depth", a->queue_depth, "Requests in flight per thread (default 32)");
       sub.add_option("--rw", a->rw, "read | write | randread | randwrite (default read)");
       sub.add_option("--threads", a->threads, "Rings, each with its own thread (default 1)");

@@ -76,23 +76,28 @@ void run(const Args& a) {
     throw CliError("--staging must be a positive multiple of 1M", 2);
   }
   if (a.queue_depth < 1 || a.runs < 1) throw CliError("--queue-depth and --runs must be >= 1", 2);
-  io::IoBenchOptions io_opts{.directory = a.path, .size = total, .block_size = 1 << 20,
+  io::IoBenchOptions io_opts{.directory = a.path,
+                             .size = total,
+                             .block_size = 1 << 20,
                              .queue_depth = static_cast<uint32_t>(a.queue_depth),
                              .pattern = io::BenchPattern::kRead};
   if (Status s = io::validate_io_bench(io_opts); !s.is_ok()) throw CliError(s.detail(), 2);
 
-  auto engine = io::IoEngine::create({.queue_depth = static_cast<uint32_t>(a.queue_depth),
-                                      .block_size = 1 << 20});
+  auto engine = io::IoEngine::create(
+      {.queue_depth = static_cast<uint32_t>(a.queue_depth), .block_size = 1 << 20});
   if (!engine.is_ok()) throw CliError(engine.status().detail());
   auto swap = io::SwapSpace::create(**engine, {.directories = {a.path}});
   if (!swap.is_ok()) throw CliError(swap.status().detail(), 2);
   Ledger ledger;
   auto device = make_cpu_device({.budget_bytes = tensor + (64ull << 20), .ledger = &ledger});
-  PinnedPool pool({.budget_bytes = 8 * staging + (64ull << 20), .engine = engine->get(),
-                   .ledger = &ledger});
-  auto store = TieredTensorStore::create({.device = device.get(), .host = &pool,
-                                          .swap = swap->get(), .ledger = &ledger,
-                                          .staging_bytes = staging, .movers = 1});
+  PinnedPool pool(
+      {.budget_bytes = 8 * staging + (64ull << 20), .engine = engine->get(), .ledger = &ledger});
+  auto store = TieredTensorStore::create({.device = device.get(),
+                                          .host = &pool,
+                                          .swap = swap->get(),
+                                          .ledger = &ledger,
+                                          .staging_bytes = staging,
+                                          .movers = 1});
   if (!store.is_ok()) throw CliError(store.status().detail());
   std::vector<TensorId> ids;
   for (uint64_t done = 0; done < total; done += tensor) {

@@ -2,11 +2,11 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <cmath>
 #include <nlohmann/json.hpp>
 
 #include "command.h"
@@ -177,7 +177,8 @@ void run(const Args& a, const CLI::App& sub) {
     std::fflush(stdout);
   }
   auto on_step = [&](const gpt::StepLog& s, int total) {
-    double nvme_rate = s.seconds > 0 ? static_cast<double>(s.nvme_read + s.nvme_written) / s.seconds : 0;
+    double nvme_rate =
+        s.seconds > 0 ? static_cast<double>(s.nvme_read + s.nvme_written) / s.seconds : 0;
     if (tty) {
       int width = 24, done = static_cast<int>(static_cast<double>(s.step) / total * width);
       std::fprintf(stderr, "\r[%s%s] step %lld/%d  loss %.4f  %.0f tok/s  NVMe %s   ",
@@ -216,7 +217,8 @@ void run(const Args& a, const CLI::App& sub) {
   if (!trace_path.empty()) {
     Status ts = trace::stop();
     if (!ts.is_ok()) throw CliError(ts.detail());
-    if (!a.quiet) std::printf("trace written to %s (open it in ui.perfetto.dev)\n", trace_path.c_str());
+    if (!a.quiet)
+      std::printf("trace written to %s (open it in ui.perfetto.dev)\n", trace_path.c_str());
   }
   if (!report.is_ok()) throw CliError(report.status().detail());
   if (a.quiet) return;

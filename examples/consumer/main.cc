@@ -19,9 +19,9 @@ int main() {
   std::vector<std::thread> ranks;
   for (int r = 0; r < 2; ++r) {
     ranks.emplace_back([&, r] {
-      auto engine = Engine::create(settings, *(*group)[r], units,
-                                   [](size_t, uint64_t, uint64_t) { return 0.0f; })
-                        .value();
+      auto engine = Engine::create(settings, *(*group)[r], units, [](size_t, uint64_t, uint64_t) {
+                      return 0.0f;
+                    }).value();
       for (int step = 0; step < 300; ++step) {
         auto scope = engine->gather(0).value();
         auto* p = static_cast<float*>(scope.params());

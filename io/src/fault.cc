@@ -65,9 +65,12 @@ Status FaultInjector::add_spec(std::string_view spec) {
     };
     if (fields.size() < 3 || fields.size() > 4) return bad("wrong number of fields");
     FaultRule rule;
-    if (fields[0] == "read") rule.op = IoOp::kRead;
-    else if (fields[0] == "write") rule.op = IoOp::kWrite;
-    else if (fields[0] != "any") return bad("OP must be read, write or any");
+    if (fields[0] == "read")
+      rule.op = IoOp::kRead;
+    else if (fields[0] == "write")
+      rule.op = IoOp::kWrite;
+    else if (fields[0] != "any")
+      return bad("OP must be read, write or any");
     std::string_view which = fields[1];
     if (which == "every") {
       rule.nth = 1;
@@ -82,11 +85,16 @@ Status FaultInjector::add_spec(std::string_view spec) {
         return bad("WHICH must be a positive number, N+ or every");
       }
     }
-    if (fields[2] == "eio") rule.kind = FaultKind::kEio;
-    else if (fields[2] == "enospc") rule.kind = FaultKind::kEnospc;
-    else if (fields[2] == "short") rule.kind = FaultKind::kShort;
-    else if (fields[2] == "eagain") rule.kind = FaultKind::kEagain;
-    else return bad("KIND must be eio, enospc, eagain or short");
+    if (fields[2] == "eio")
+      rule.kind = FaultKind::kEio;
+    else if (fields[2] == "enospc")
+      rule.kind = FaultKind::kEnospc;
+    else if (fields[2] == "short")
+      rule.kind = FaultKind::kShort;
+    else if (fields[2] == "eagain")
+      rule.kind = FaultKind::kEagain;
+    else
+      return bad("KIND must be eio, enospc, eagain or short");
     if (fields.size() == 4) rule.path_contains = std::string(fields[3]);
     parsed.push_back(std::move(rule));
   }

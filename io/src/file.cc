@@ -19,8 +19,9 @@ constexpr uint32_t kFallbackAlignment = 4096;
 // Alignment for direct I/O on fd: statx STATX_DIOALIGN where the kernel reports it (6.1+).
 std::pair<uint32_t, uint32_t> dio_alignment(int fd) {
   struct statx stx {};
-  if (::statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &stx) == 0 && (stx.stx_mask & STATX_DIOALIGN) &&
-      stx.stx_dio_offset_align != 0 && stx.stx_dio_mem_align != 0) {
+  if (::statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &stx) == 0 &&
+      (stx.stx_mask & STATX_DIOALIGN) && stx.stx_dio_offset_align != 0 &&
+      stx.stx_dio_mem_align != 0) {
     return {stx.stx_dio_mem_align, stx.stx_dio_offset_align};
   }
   return {kFallbackAlignment, kFallbackAlignment};
@@ -97,8 +98,8 @@ Status File::preallocate(uint64_t offset, uint64_t length) {
     if (rc != 0) errno = rc;
   }
   if (rc != 0) {
-    return errno_status(errno, fmt::format("cannot preallocate {} bytes at offset {} of {}",
-                                           length, offset, path_));
+    return errno_status(errno, fmt::format("cannot preallocate {} bytes at offset {} of {}", length,
+                                           offset, path_));
   }
   return Status::ok();
 }

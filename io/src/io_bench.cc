@@ -24,7 +24,9 @@ namespace {
 constexpr uint64_t kSector = 4096;
 constexpr uint64_t kStampMagic = 0x7a696e66'00000000ull;  // "zinf"
 
-uint64_t stamp_for(uint64_t offset, uint64_t seed) { return kStampMagic ^ (offset * 0x9e3779b97f4a7c15ull) ^ seed; }
+uint64_t stamp_for(uint64_t offset, uint64_t seed) {
+  return kStampMagic ^ (offset * 0x9e3779b97f4a7c15ull) ^ seed;
+}
 
 void stamp_block(std::byte* buf, uint64_t block_bytes, uint64_t offset, uint64_t seed) {
   for (uint64_t s = 0; s < block_bytes; s += kSector) {
@@ -112,21 +114,24 @@ class Pass {
     uint64_t offset = r.order[i] * o_.block_size;
     std::byte* buf = slots_[s].data();
     if (write_) stamp_block(buf, o_.block_size, offset, o_.seed);
-    Status st = engine_.submit(
-        IoRequest{.op = write_ ? IoOp::kWrite : IoOp::kRead, .file = &file_, .offset = offset,
-                  .buffer = buf, .length = o_.block_size},
-        [this, t, s, offset, buf](Status result) {
-          if (!result.is_ok()) {
-            fail(std::move(result));
-          } else {
-            if (!write_) {
-              bad_sectors_ += check_block(buf, o_.block_size, offset, o_.seed);
-              verified_ += o_.block_size / kSector;
-            }
-            done_bytes_ += o_.block_size;
-          }
-          next(t, s);
-        });
+    Status st = engine_.submit(IoRequest{.op = write_ ? IoOp::kWrite : IoOp::kRead,
+                                         .file = &file_,
+                                         .offset = offset,
+                                         .buffer = buf,
+                                         .length = o_.block_size},
+                               [this, t, s, offset, buf](Status result) {
+                                 if (!result.is_ok()) {
+                                   fail(std::move(result));
+                                 } else {
+                                   if (!write_) {
+                                     bad_sectors_ +=
+                                         check_block(buf, o_.block_size, offset, o_.seed);
+                                     verified_ += o_.block_size / kSector;
+                                   }
+                                   done_bytes_ += o_.block_size;
+                                 }
+                                 next(t, s);
+                               });
     if (!st.is_ok()) {
       fail(std::move(st));
       retire();
@@ -168,10 +173,14 @@ class Pass {
 
 const char* pattern_name(BenchPattern p) {
   switch (p) {
-    case BenchPattern::kRead: return "read";
-    case BenchPattern::kWrite: return "write";
-    case BenchPattern::kRandRead: return "randread";
-    case BenchPattern::kRandWrite: return "randwrite";
+    case BenchPattern::kRead:
+      return "read";
+    case BenchPattern::kWrite:
+      return "write";
+    case BenchPattern::kRandRead:
+      return "randread";
+    case BenchPattern::kRandWrite:
+      return "randwrite";
   }
   return "?";
 }
@@ -198,8 +207,8 @@ Status validate_io_bench(const IoBenchOptions& o) {
   }
   if (o.size == 0) return make_error(ErrorCode::kInvalidArgument, "size must not be 0");
   if (o.size % o.block_size != 0) {
-    return make_error(ErrorCode::kInvalidArgument,
-                      "size {} is not a multiple of the block size {}", o.size, o.block_size);
+    return make_error(ErrorCode::kInvalidArgument, "size {} is not a multiple of the block size {}",
+                      o.size, o.block_size);
   }
   if (o.queue_depth == 0 || o.queue_depth > 4096) {
     return make_error(ErrorCode::kInvalidArgument, "queue depth must be 1..4096, got {}",
@@ -256,11 +265,10 @@ Result<IoBenchResult> run_io_bench(const IoBenchOptions& o, const IoBenchProgres
   }
   ZINF_RETURN_IF_ERROR(file.preallocate(0, o.size));
 
-  ZINF_ASSIGN_OR_RETURN(auto engine,
-                        IoEngine::create({.queue_depth = o.queue_depth,
-                                          .block_size = o.block_size,
-                                          .rings = o.threads,
-                                          .fixed_buffers = o.fixed_buffers}));
+  ZINF_ASSIGN_OR_RETURN(auto engine, IoEngine::create({.queue_depth = o.queue_depth,
+                                                       .block_size = o.block_size,
+                                                       .rings = o.threads,
+                                                       .fixed_buffers = o.fixed_buffers}));
   ZINF_RETURN_IF_ERROR(engine->register_file(file));
   std::vector<AlignedBuffer> slots;
   std::vector<int> registered;

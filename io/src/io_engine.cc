@@ -20,8 +20,8 @@
 namespace zinf::io {
 namespace {
 
-constexpr uint64_t kEventTag = ~uint64_t{0};     // user_data of the wake-up read on the eventfd
-constexpr uint64_t kMaxBlockSize = 1ull << 30;   // one SQE moves at most 2^31-1 bytes
+constexpr uint64_t kEventTag = ~uint64_t{0};    // user_data of the wake-up read on the eventfd
+constexpr uint64_t kMaxBlockSize = 1ull << 30;  // one SQE moves at most 2^31-1 bytes
 
 const char* op_name(IoOp op) { return op == IoOp::kRead ? "read" : "write"; }
 
@@ -34,12 +34,12 @@ struct IoEngine::Registry {
     uint64_t length;
     int slot;
   };
-  std::vector<Buffer> buffers;        // sorted by base
+  std::vector<Buffer> buffers;  // sorted by base
   std::vector<bool> buffer_slot_used;
   std::unordered_map<int, int> file_slot;  // fd -> slot in the fixed-file table
   std::vector<bool> file_slot_used;
-  bool buffers_available = true;      // sparse buffer tables exist on every ring
-  bool files_available = true;        // sparse file tables exist on every ring
+  bool buffers_available = true;  // sparse buffer tables exist on every ring
+  bool files_available = true;    // sparse file tables exist on every ring
 
   // Engine-wide completion accounting for drain().
   std::mutex drain_mu;
@@ -55,8 +55,8 @@ class IoEngine::Ring {
   struct Pending {
     IoRequest request;
     IoCallback done;
-    int file_slot;   // -1: use the fd
-    int buf_index;   // -1: not a registered buffer
+    int file_slot;  // -1: use the fd
+    int buf_index;  // -1: not a registered buffer
   };
 
   Ring(IoEngine& engine, uint32_t index) : engine_(engine), index_(index) {}
@@ -73,8 +73,8 @@ class IoEngine::Ring {
       rc = io_uring_queue_init_params(entries, &ring_, &params);
     }
     if (rc < 0) {
-      return errno_status(rc, fmt::format("cannot create io_uring ring {} (queue depth {})",
-                                          index_, o.queue_depth));
+      return errno_status(rc, fmt::format("cannot create io_uring ring {} (queue depth {})", index_,
+                                          o.queue_depth));
     }
     ring_ok_ = true;
     event_fd_ = ::eventfd(0, EFD_CLOEXEC);
@@ -157,9 +157,9 @@ class IoEngine::Ring {
   };
   struct Chunk {
     Op* op = nullptr;
-    uint64_t start = 0;    // byte position within the request
+    uint64_t start = 0;  // byte position within the request
     uint64_t length = 0;
-    uint64_t done = 0;     // bytes transferred so far (short transfers continue from here)
+    uint64_t done = 0;  // bytes transferred so far (short transfers continue from here)
     uint32_t retries = 0;
   };
 
@@ -243,7 +243,9 @@ class IoEngine::Ring {
           uint64_t shorter = align_down(len / 2, align);
           if (shorter > 0 && shorter < len) len = shorter;
         } else {
-          int res = *fault == FaultKind::kEio ? -EIO : *fault == FaultKind::kEnospc ? -ENOSPC : -EAGAIN;
+          int res = *fault == FaultKind::kEio      ? -EIO
+                    : *fault == FaultKind::kEnospc ? -ENOSPC
+                                                   : -EAGAIN;
           synthetic_.push_back({c, res});
           return;
         }
@@ -335,9 +337,7 @@ class IoEngine::Ring {
   }
 
   bool idle() const { return active_.empty() && in_flight() == 0 && synthetic_.empty(); }
-  uint32_t in_flight() const {
-    return static_cast<uint32_t>(chunks_.size() - free_chunks_.size());
-  }
+  uint32_t in_flight() const { return static_cast<uint32_t>(chunks_.size() - free_chunks_.size()); }
 
   void loop() {
     tls_ring_ = this;
@@ -395,7 +395,7 @@ class IoEngine::Ring {
   bool stopping_ = false;         // guarded by mu_
 
   // Owned by the ring thread.
-  std::deque<Op*> active_;        // requests not yet fully carved into chunks
+  std::deque<Op*> active_;  // requests not yet fully carved into chunks
   std::vector<Chunk> chunks_;
   std::vector<Chunk*> free_chunks_;
   std::vector<std::pair<Chunk*, int>> synthetic_;
@@ -403,8 +403,7 @@ class IoEngine::Ring {
 
   struct AtomicStats {
     std::atomic<uint64_t> requests_completed{0}, requests_failed{0}, chunks_submitted{0},
-        short_continuations{0}, retries{0}, bytes_read{0}, bytes_written{0},
-        fixed_buffer_chunks{0};
+        short_continuations{0}, retries{0}, bytes_read{0}, bytes_written{0}, fixed_buffer_chunks{0};
   } stats_;
 
   static thread_local Ring* tls_ring_;
@@ -546,14 +545,20 @@ std::future<Status> IoEngine::submit(const IoRequest& request) {
 }
 
 Status IoEngine::read(const File& file, uint64_t offset, void* buffer, uint64_t length) {
-  return submit(IoRequest{.op = IoOp::kRead, .file = &file, .offset = offset, .buffer = buffer,
+  return submit(IoRequest{.op = IoOp::kRead,
+                          .file = &file,
+                          .offset = offset,
+                          .buffer = buffer,
                           .length = length})
       .get();
 }
 
 Status IoEngine::write(const File& file, uint64_t offset, const void* buffer, uint64_t length) {
-  return submit(IoRequest{.op = IoOp::kWrite, .file = &file, .offset = offset,
-                          .buffer = const_cast<void*>(buffer), .length = length})
+  return submit(IoRequest{.op = IoOp::kWrite,
+                          .file = &file,
+                          .offset = offset,
+                          .buffer = const_cast<void*>(buffer),
+                          .length = length})
       .get();
 }
 

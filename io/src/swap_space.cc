@@ -219,9 +219,9 @@ Result<ExtentId> SwapSpace::allocate(uint64_t bytes, std::string name) {
     if (!piece.is_ok()) {
       s.release_pieces(extent.pieces);
       return std::move(piece).take_status().with_context(
-          extent.name.empty() ? fmt::format("allocating {} bytes of swap", padded)
-                              : fmt::format("allocating {} bytes of swap for {}", padded,
-                                            extent.name));
+          extent.name.empty()
+              ? fmt::format("allocating {} bytes of swap", padded)
+              : fmt::format("allocating {} bytes of swap for {}", padded, extent.name));
     }
     piece->extent_offset = placed;
     placed += length;
@@ -277,9 +277,8 @@ Status SwapSpace::Impl::transfer(ExtentId id, IoOp op, uint64_t offset, uint64_t
                         "bytes",
                         what, length, offset, e.padded);
     }
-    if (options.checksum &&
-        (offset % kChecksumBlock != 0 ||
-         (length % kChecksumBlock != 0 && offset + length != e.padded))) {
+    if (options.checksum && (offset % kChecksumBlock != 0 ||
+                             (length % kChecksumBlock != 0 && offset + length != e.padded))) {
       return make_error(ErrorCode::kInvalidArgument,
                         "{}: with checksums on, ranges must start and end on {}-byte blocks "
                         "(offset {}, length {})",
@@ -331,8 +330,8 @@ Status SwapSpace::Impl::transfer(ExtentId id, IoOp op, uint64_t offset, uint64_t
     if (st.is_ok() && op == IoOp::kRead) {
       for (size_t b = 0; b < expected.size(); ++b) {
         uint64_t pos = b * kChecksumBlock;
-        uint64_t got = XXH3_64bits(static_cast<char*>(buffer) + pos,
-                                   std::min(kChecksumBlock, length - pos));
+        uint64_t got =
+            XXH3_64bits(static_cast<char*>(buffer) + pos, std::min(kChecksumBlock, length - pos));
         if (got != *expected[b]) {
           st = make_error(ErrorCode::kCorrupt,
                           "checksum mismatch in the {}-byte block at offset {}: expected {:016x}, "
@@ -422,16 +421,16 @@ Status SwapSpace::read_range_async(ExtentId id, uint64_t offset, uint64_t length
 Status SwapSpace::write_range(ExtentId id, uint64_t offset, uint64_t length, const void* buffer) {
   std::promise<Status> p;
   auto f = p.get_future();
-  ZINF_RETURN_IF_ERROR(write_range_async(id, offset, length, buffer,
-                                         [&p](Status s) { p.set_value(std::move(s)); }));
+  ZINF_RETURN_IF_ERROR(
+      write_range_async(id, offset, length, buffer, [&p](Status s) { p.set_value(std::move(s)); }));
   return f.get();
 }
 
 Status SwapSpace::read_range(ExtentId id, uint64_t offset, uint64_t length, void* buffer) {
   std::promise<Status> p;
   auto f = p.get_future();
-  ZINF_RETURN_IF_ERROR(read_range_async(id, offset, length, buffer,
-                                        [&p](Status s) { p.set_value(std::move(s)); }));
+  ZINF_RETURN_IF_ERROR(
+      read_range_async(id, offset, length, buffer, [&p](Status s) { p.set_value(std::move(s)); }));
   return f.get();
 }
 

@@ -32,7 +32,8 @@ std::string fill_roundtrip(float* host, size_t n, float value) {
   err = cudaGetLastError();
   if (err == cudaSuccess) err = cudaMemcpy(host, dev, n * sizeof(float), cudaMemcpyDeviceToHost);
   cudaFree(dev);
-  return err == cudaSuccess ? std::string() : std::string("fill kernel: ") + cudaGetErrorString(err);
+  return err == cudaSuccess ? std::string()
+                            : std::string("fill kernel: ") + cudaGetErrorString(err);
 }
 
 }  // namespace zinf::kernels::cuda

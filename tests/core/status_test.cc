@@ -36,7 +36,8 @@ TEST(Status, ResultPropagatesFirstError) {
 }
 
 TEST(StatusDeathTest, CheckAbortsWithFileAndExpression) {
-  EXPECT_DEATH(ZINF_CHECK(1 + 1 == 3, "math is {}", "broken"), "status_test.cc:.*1 \\+ 1 == 3.*math is broken");
+  EXPECT_DEATH(ZINF_CHECK(1 + 1 == 3, "math is {}", "broken"),
+               "status_test.cc:.*1 \\+ 1 == 3.*math is broken");
 }
 
 }  // namespace

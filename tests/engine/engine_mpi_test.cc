@@ -13,12 +13,14 @@ namespace {
 Result<std::vector<std::vector<float>>> train_mpi(const EngineSettings& s, comm::Communicator& c,
                                                   int steps, int micro) {
   testing::MlpShape shape;
-  ZINF_ASSIGN_OR_RETURN(auto engine, Engine::create(s, c, testing::mlp_units(shape), testing::mlp_init));
+  ZINF_ASSIGN_OR_RETURN(auto engine,
+                        Engine::create(s, c, testing::mlp_units(shape), testing::mlp_init));
   const int gas = s.gradient_accumulation_steps, r = c.rank();
   for (int step = 0; step < steps; ++step) {
     for (int m = 0; m < gas; ++m) {
       std::vector<uint64_t> samples;
-      for (int i = 0; i < micro; ++i) samples.push_back((static_cast<uint64_t>(r) * gas + m) * micro + i);
+      for (int i = 0; i < micro; ++i)
+        samples.push_back((static_cast<uint64_t>(r) * gas + m) * micro + i);
       ZINF_ASSIGN_OR_RETURN(float loss, testing::mlp_micro_step(*engine, shape, samples));
       (void)loss;
     }

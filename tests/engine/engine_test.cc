@@ -119,7 +119,8 @@ TEST(Engine, MemoryMatchesTheZeroArithmetic) {
   MlpShape shape;
   for (int world : {1, 2, 3, 4}) {
     uint64_t P = 0;
-    for (auto& u : testing::mlp_units(shape)) P += zero::make_shard_layout(u, world, DType::kF32)->numel_padded;
+    for (auto& u : testing::mlp_units(shape))
+      P += zero::make_shard_layout(u, world, DType::kF32)->numel_padded;
     const uint64_t N = world;
     for (int stage : {0, 1, 2, 3}) {
       RunResult r = train_local(base(stage), world, 1, 2, shape);
@@ -150,7 +151,8 @@ TEST(Engine, CommunicationMatchesTheZeroVolumes) {
   MlpShape shape;
   for (int world : {2, 3}) {
     uint64_t P = 0;
-    for (auto& u : testing::mlp_units(shape)) P += zero::make_shard_layout(u, world, DType::kF32)->numel_padded;
+    for (auto& u : testing::mlp_units(shape))
+      P += zero::make_shard_layout(u, world, DType::kF32)->numel_padded;
     for (int stage : {0, 1, 2, 3}) {
       RunResult r = train_local(base(stage), world, 2, 2, shape);
       ASSERT_TRUE(r.status.is_ok()) << r.status.to_string();

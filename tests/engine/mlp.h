@@ -21,9 +21,10 @@ struct MlpShape {
 inline std::vector<zero::UnitSpec> mlp_units(const MlpShape& shape) {
   std::vector<zero::UnitSpec> units;
   for (size_t i = 0; i + 1 < shape.dims.size(); ++i) {
-    units.push_back({.name = "layer" + std::to_string(i),
-                     .params = {{.name = "w", .shape = {shape.dims[i + 1], shape.dims[i]}},
-                                {.name = "b", .shape = {shape.dims[i + 1]}, .weight_decay = false}}});
+    units.push_back(
+        {.name = "layer" + std::to_string(i),
+         .params = {{.name = "w", .shape = {shape.dims[i + 1], shape.dims[i]}},
+                    {.name = "b", .shape = {shape.dims[i + 1]}, .weight_decay = false}}});
   }
   return units;
 }
@@ -37,15 +38,20 @@ inline float mlp_init(size_t unit, uint64_t element, uint64_t seed) {
 
 inline float load(const void* p, DType t, uint64_t i) {
   switch (t) {
-    case DType::kF32: return static_cast<const float*>(p)[i];
-    case DType::kBF16: return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
-    case DType::kF16: return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case DType::kF32:
+      return static_cast<const float*>(p)[i];
+    case DType::kBF16:
+      return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
+    case DType::kF16:
+      return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
   }
   return 0;
 }
 inline void add_to(void* p, DType t, uint64_t i, float v) {
   switch (t) {
-    case DType::kF32: static_cast<float*>(p)[i] += v; break;
+    case DType::kF32:
+      static_cast<float*>(p)[i] += v;
+      break;
     case DType::kBF16: {
       auto* q = static_cast<uint16_t*>(p);
       q[i] = f32_to_bf16(bf16_to_f32(q[i]) + v);
@@ -90,7 +96,8 @@ inline Result<float> mlp_micro_step(Engine& engine, const MlpShape& shape,
       std::vector<float> y(out);
       for (int o = 0; o < out; ++o) {
         float acc = load(p, dt, static_cast<uint64_t>(out) * in + o);
-        for (int i = 0; i < in; ++i) acc += load(p, dt, static_cast<uint64_t>(o) * in + i) * acts[s][u][i];
+        for (int i = 0; i < in; ++i)
+          acc += load(p, dt, static_cast<uint64_t>(o) * in + i) * acts[s][u][i];
         y[o] = u + 1 < L ? std::tanh(acc) : acc;
       }
       if (u + 1 < L) {

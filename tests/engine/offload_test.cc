@@ -136,7 +136,8 @@ TEST(Offload, SwapFaultIsReportedAndTrainingContinues) {
   for (int step = 0; step < 4; ++step) {
     ASSERT_TRUE(testing::mlp_micro_step(*engine, {}, samples).is_ok());
     if (step == 1) {
-      io::FaultInjector::global().add({.op = io::IoOp::kWrite, .nth = 1, .kind = io::FaultKind::kEio});
+      io::FaultInjector::global().add(
+          {.op = io::IoOp::kWrite, .nth = 1, .kind = io::FaultKind::kEio});
     }
     Status st = engine->step();
     io::FaultInjector::global().clear();

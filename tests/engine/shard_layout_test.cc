@@ -7,8 +7,8 @@ namespace {
 
 UnitSpec block() {
   return {.name = "block0",
-          .params = {{.name = "w", .shape = {30, 50}}, {.name = "b", .shape = {30},
-                                                       .weight_decay = false}}};
+          .params = {{.name = "w", .shape = {30, 50}},
+                     {.name = "b", .shape = {30}, .weight_decay = false}}};
 }
 
 TEST(ShardLayout, PadsToWholeBlocksPerRank) {
@@ -20,7 +20,7 @@ TEST(ShardLayout, PadsToWholeBlocksPerRank) {
       EXPECT_EQ(l->numel_padded % world, 0u);
       EXPECT_EQ(l->shard_numel * world, l->numel_padded);
       EXPECT_EQ(l->shard_numel * dtype_size(dt) % 4096, 0u) << world;
-      EXPECT_EQ(l->shard_numel * 4 % 4096, 0u);  // fp32 state shards too
+      EXPECT_EQ(l->shard_numel * 4 % 4096, 0u);                       // fp32 state shards too
       EXPECT_LT(l->numel_padded - l->numel, l->block_numel * world);  // no more than needed
       EXPECT_EQ(l->params[1].offset, 1500u);
     }
@@ -47,8 +47,7 @@ TEST(ShardLayout, RejectsBadUnitsNamingThem) {
   ASSERT_FALSE(r.is_ok());
   EXPECT_NE(r.status().message().find("declared twice"), std::string::npos);
   UnitSpec neg{.name = "u", .params = {{.name = "w", .shape = {4, 0}}}};
-  EXPECT_NE(make_shard_layout(neg, 2, DType::kF32).status().message().find("w"),
-            std::string::npos);
+  EXPECT_NE(make_shard_layout(neg, 2, DType::kF32).status().message().find("w"), std::string::npos);
   EXPECT_FALSE(make_shard_layout(UnitSpec{.name = "empty"}, 1, DType::kF32).is_ok());
   EXPECT_FALSE(make_shard_layout(block(), 0, DType::kF32).is_ok());
 }

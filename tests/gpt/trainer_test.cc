@@ -7,8 +7,8 @@
 #include <cstring>
 #include <fstream>
 #include <map>
-#include <set>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "../io/test_dir.h"
 #include "zinf/core/trace.h"

@@ -182,8 +182,8 @@ TEST_F(IoEngineTest, DirectRefusalFallsBackToBufferedIo) {
 }
 
 TEST_F(IoEngineTest, EnvironmentSpecIsParsedAndBadSpecsNamed) {
-  EXPECT_TRUE(FaultInjector::global().add_spec("write:3:eio,read:2+:short:swap,direct:refuse")
-                  .is_ok());
+  EXPECT_TRUE(
+      FaultInjector::global().add_spec("write:3:eio,read:2+:short:swap,direct:refuse").is_ok());
   EXPECT_TRUE(FaultInjector::global().refuse_direct());
   for (const char* bad : {"write:0:eio", "write:x:eio", "nope:1:eio", "read:1:boom", "read:1"}) {
     Status s = FaultInjector::global().add_spec(bad);
@@ -203,7 +203,7 @@ TEST_F(IoEngineTest, RegisteredBuffersAndFilesAreUsed) {
   ASSERT_TRUE(so.is_ok()) << so.status().to_string();
   ASSERT_TRUE(si.is_ok()) << si.status().to_string();
   ASSERT_TRUE(e->write(f, 0, out.data(), out.size()).is_ok());
-  ASSERT_TRUE(e->read(f, 0, in.data() , in.size()).is_ok());
+  ASSERT_TRUE(e->read(f, 0, in.data(), in.size()).is_ok());
   EXPECT_EQ(std::memcmp(out.data(), in.data(), out.size()), 0);
   EXPECT_EQ(e->stats().fixed_buffer_chunks, 32u);  // 2 x 2 MiB in 128 KiB chunks
   // A request that straddles past the registered range falls back to a plain read.
@@ -225,16 +225,19 @@ TEST_F(IoEngineTest, ThousandsOfConcurrentRequestsCompleteExactlyOnce) {
   std::vector<std::atomic<int>> calls(kThreads * kPerThread);
   std::atomic<int> failures{0};
   // A few injected faults along the way must not lose or duplicate any completion.
-  ASSERT_TRUE(FaultInjector::global().add_spec("write:500:eio,write:900:short,read:77:eagain")
-                  .is_ok());
+  ASSERT_TRUE(
+      FaultInjector::global().add_spec("write:500:eio,write:900:short,read:77:eagain").is_ok());
   std::vector<std::thread> threads;
   for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {
       for (int i = 0; i < kPerThread; ++i) {
         int id = t * kPerThread + i;
         uint64_t off = static_cast<uint64_t>(id) * kBlock;
-        Status s = e->submit(IoRequest{.op = IoOp::kWrite, .file = &f, .offset = off,
-                                       .buffer = data.data() + off, .length = kBlock},
+        Status s = e->submit(IoRequest{.op = IoOp::kWrite,
+                                       .file = &f,
+                                       .offset = off,
+                                       .buffer = data.data() + off,
+                                       .length = kBlock},
                              [&, id](Status st) {
                                calls[id].fetch_add(1);
                                if (!st.is_ok()) failures.fetch_add(1);
@@ -266,9 +269,11 @@ TEST_F(IoEngineTest, CallbacksMayResubmit) {
       finished.set_value();
       return;
     }
-    ASSERT_TRUE(e->submit(IoRequest{.op = IoOp::kWrite, .file = &f,
+    ASSERT_TRUE(e->submit(IoRequest{.op = IoOp::kWrite,
+                                    .file = &f,
                                     .offset = static_cast<uint64_t>(left) * 4096,
-                                    .buffer = b.data(), .length = 4096},
+                                    .buffer = b.data(),
+                                    .length = 4096},
                           next)
                     .is_ok());
   };

@@ -52,8 +52,10 @@ class SwapSpaceTest : public ::testing::Test {
 TEST_F(SwapSpaceTest, StripedRoundTripsAndCleansUp) {
   std::vector<std::string> run_dirs;
   {
-    auto swap = make({.directories = {a_.path(), b_.path()}, .file_bytes = 8 << 20,
-                      .stripe_min_bytes = 64 << 10, .checksum = true});
+    auto swap = make({.directories = {a_.path(), b_.path()},
+                      .file_bytes = 8 << 20,
+                      .stripe_min_bytes = 64 << 10,
+                      .checksum = true});
     ASSERT_TRUE(swap);
     run_dirs = swap->run_directories();
     ASSERT_EQ(run_dirs.size(), 2u);
@@ -164,8 +166,10 @@ TEST_F(SwapSpaceTest, WriteErrorNamesExtentAndKeepsOldChecksumFromBeingTrusted) 
 }
 
 TEST_F(SwapSpaceTest, RangesReadAndWritePartsWithBlockChecksums) {
-  auto swap = make({.directories = {a_.path(), b_.path()}, .file_bytes = 4 << 20,
-                    .stripe_min_bytes = 256 << 10, .checksum = true});
+  auto swap = make({.directories = {a_.path(), b_.path()},
+                    .file_bytes = 4 << 20,
+                    .stripe_min_bytes = 256 << 10,
+                    .checksum = true});
   ASSERT_TRUE(swap);
   const uint64_t mib = 1 << 20;
   auto id = swap->allocate(3 * mib + 8192, "fp32.master");  // striped, partial last block

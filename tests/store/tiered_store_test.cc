@@ -53,16 +53,19 @@ class StoreTest : public ::testing::Test {
   void build(const StoreSetup& s = {}) {
     setup_ = s;
     engine_ = std::move(io::IoEngine::create({.queue_depth = 16, .block_size = 512 << 10})).value();
-    swap_ = std::move(io::SwapSpace::create(
-                          *engine_, {.directories = {dir_.path()}, .file_bytes = 8 << 20,
-                                     .checksum = s.checksum}))
+    swap_ = std::move(io::SwapSpace::create(*engine_, {.directories = {dir_.path()},
+                                                       .file_bytes = 8 << 20,
+                                                       .checksum = s.checksum}))
                 .value();
     device_ = make_cpu_device({.budget_bytes = s.device_budget, .ledger = &ledger_});
     pool_ = std::make_unique<PinnedPool>(PinnedPoolOptions{
         .budget_bytes = s.host_budget, .pin = false, .engine = engine_.get(), .ledger = &ledger_});
-    auto st = TieredTensorStore::create({.device = device_.get(), .host = pool_.get(),
-                                         .swap = swap_.get(), .ledger = &ledger_,
-                                         .staging_bytes = s.staging, .staging_buffers = 2,
+    auto st = TieredTensorStore::create({.device = device_.get(),
+                                         .host = pool_.get(),
+                                         .swap = swap_.get(),
+                                         .ledger = &ledger_,
+                                         .staging_bytes = s.staging,
+                                         .staging_buffers = 2,
                                          .movers = 2});
     ASSERT_TRUE(st.is_ok()) << st.status().to_string();
     store_ = std::move(st).value();
@@ -122,8 +125,8 @@ TEST_F(StoreTest, DirtyCopiesAreWrittenBackAndServedFromEveryTier) {
   r = store_->residency(id);
   EXPECT_FALSE(r.allocated[0]);
   EXPECT_TRUE(r.valid[2]);
-  expect(id, Tier::kHost, 7);   // NVMe -> host
-  expect(id, Tier::kDevice, 7); // host -> device
+  expect(id, Tier::kHost, 7);    // NVMe -> host
+  expect(id, Tier::kDevice, 7);  // host -> device
   write(id, Tier::kHost, 8);
   ASSERT_TRUE(store_->flush(id).is_ok());
   EXPECT_TRUE(store_->residency(id).valid[2]);
@@ -142,7 +145,7 @@ TEST_F(StoreTest, TensorsLargerThanStagingMoveInPieces) {
   write(id, Tier::kDevice, 99);
   ASSERT_TRUE(store_->evict(id, Tier::kDevice).is_ok());  // device -> NVMe in 6 pieces
   uint64_t read_before = store_->stats().bytes_nvme_read;
-  expect(id, Tier::kDevice, 99);                          // NVMe -> device in 6 pieces
+  expect(id, Tier::kDevice, 99);  // NVMe -> device in 6 pieces
   EXPECT_EQ(store_->stats().bytes_nvme_read - read_before, store_->padded_bytes(id));
 }
 

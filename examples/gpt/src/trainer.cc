@@ -9,8 +9,8 @@
 #include <fstream>
 #include <map>
 #include <mutex>
-#include <set>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <thread>
 
 #include "zinf/comm/local.h"
@@ -153,8 +153,8 @@ Status run_rank(comm::Communicator& comm, const TrainOptions& o, const TextDatas
     auto t0 = std::chrono::steady_clock::now();
     double loss_sum = 0;
     for (int m = 0; m < gas; ++m) {
-      ZINF_RETURN_IF_ERROR(data.sample_batch(o.seed, static_cast<uint64_t>(step) * gas + m, rank,
-                                             B, T, tokens.data(), targets.data()));
+      ZINF_RETURN_IF_ERROR(data.sample_batch(o.seed, static_cast<uint64_t>(step) * gas + m, rank, B,
+                                             T, tokens.data(), targets.data()));
       ScopeAdapter scopes(*engine);
       double loss = 0;
       try {
@@ -169,10 +169,10 @@ Status run_rank(comm::Communicator& comm, const TrainOptions& o, const TextDatas
       loss_sum += loss;
     }
     float local = static_cast<float>(loss_sum / gas), mean = local;
-    ZINF_RETURN_IF_ERROR(comm.all_reduce(&local, &mean, 1, DType::kF32, comm::ReduceOp::kAvg).wait());
+    ZINF_RETURN_IF_ERROR(
+        comm.all_reduce(&local, &mean, 1, DType::kF32, comm::ReduceOp::kAvg).wait());
     ZINF_RETURN_IF_ERROR(engine->step());
-    double seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (rank == 0) {
       StoreStats now = engine->store_stats();
       StepLog log{.step = step + 1,
@@ -197,7 +197,9 @@ Status run_rank(comm::Communicator& comm, const TrainOptions& o, const TextDatas
     std::lock_guard lock(shared.mu);
     shared.memory[rank] = engine->memory_report();
   }
-  // The consolidated fp32 weights (a collective: every rank takes part).
+  // The consolidated fp32 weights (a collective: every rank takes part), only when asked for:
+  // they are the whole model in memory.
+  if (o.export_path.empty() && o.sample_bytes <= 0) return Status::ok();
   std::vector<std::vector<float>> full;
   for (size_t u = 0; u < engine->unit_count(); ++u) {
     ZINF_ASSIGN_OR_RETURN(auto p, engine->full_parameters(u));
@@ -211,20 +213,20 @@ Status run_rank(comm::Communicator& comm, const TrainOptions& o, const TextDatas
       for (const ParamSpec& p : unit_params(unit_kind(cfg, u), cfg)) {
         uint64_t n = 1;
         for (int64_t d : p.shape) n *= static_cast<uint64_t>(d);
-        tensors.push_back({unit_name(cfg, u) + "." + p.name, p.shape,
-                           std::vector<float>(full[u].begin() + offset,
-                                              full[u].begin() + offset + n)});
+        tensors.push_back(
+            {unit_name(cfg, u) + "." + p.name, p.shape,
+             std::vector<float>(full[u].begin() + offset, full[u].begin() + offset + n)});
         offset += n;
       }
     }
     ZINF_RETURN_IF_ERROR(write_safetensors(o.export_path, tensors));
   }
   if (o.sample_bytes > 0) {
-    ZINF_ASSIGN_OR_RETURN(std::string text,
-                          generate(cfg, [&](int u) { return full[u].data(); }, o.sample_prompt,
-                                   o.sample_bytes,
-                                   {.sampling = Sampling::kRandom, .temperature = 0.8f,
-                                    .top_k = 40, .seed = o.seed}));
+    ZINF_ASSIGN_OR_RETURN(
+        std::string text,
+        generate(
+            cfg, [&](int u) { return full[u].data(); }, o.sample_prompt, o.sample_bytes,
+            {.sampling = Sampling::kRandom, .temperature = 0.8f, .top_k = 40, .seed = o.seed}));
     std::lock_guard lock(shared.mu);
     shared.report.sample = std::move(text);
   }
@@ -284,10 +286,9 @@ Status check_train_options(const TrainOptions& o) {
     }
     uint64_t need = nvme_bytes + nvme_bytes / 8;  // and room for padding and file growth
     if (avail < need) {
-      return make_error(ErrorCode::kNoSpace,
-                        "the NVMe paths have {} free; offloading this model needs about {}",
-                        format_bytes(static_cast<double>(avail)),
-                        format_bytes(static_cast<double>(need)));
+      return make_error(
+          ErrorCode::kNoSpace, "the NVMe paths have {} free; offloading this model needs about {}",
+          format_bytes(static_cast<double>(avail)), format_bytes(static_cast<double>(need)));
     }
   }
   return Status::ok();
@@ -323,7 +324,8 @@ Result<TrainReport> train(const TrainOptions& o, const StepCallback& on_step) {
   report.parameters = parameter_count(o.model);
   auto units = engine_units(o.model);
   for (auto& u : units) {
-    report.padded_parameters += zero::make_shard_layout(u, report.world, o.engine.dtype)->numel_padded;
+    report.padded_parameters +=
+        zero::make_shard_layout(u, report.world, o.engine.dtype)->numel_padded;
   }
   if (!report.steps.empty()) {
     report.initial_loss = report.steps.front().loss;
@@ -342,7 +344,8 @@ Status write_safetensors(const std::string& path, const std::vector<NamedTensor>
   uint64_t offset = 0;
   for (const NamedTensor& t : tensors) {
     uint64_t bytes = t.data.size() * 4;
-    header[t.name] = {{"dtype", "F32"}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
+    header[t.name] = {
+        {"dtype", "F32"}, {"shape", t.shape}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
   }
   header["__metadata__"] = {{"format", "pt"}, {"producer", "zinf"}};

@@ -8,17 +8,28 @@ namespace zinf {
 
 std::string_view error_code_name(ErrorCode code) {
   switch (code) {
-    case ErrorCode::kOk: return "ok";
-    case ErrorCode::kInvalidArgument: return "invalid argument";
-    case ErrorCode::kIo: return "I/O error";
-    case ErrorCode::kNoSpace: return "no space left";
-    case ErrorCode::kOutOfMemory: return "out of memory";
-    case ErrorCode::kNotFound: return "not found";
-    case ErrorCode::kCorrupt: return "corrupt data";
-    case ErrorCode::kTimeout: return "timed out";
-    case ErrorCode::kUnavailable: return "unavailable";
-    case ErrorCode::kCancelled: return "cancelled";
-    case ErrorCode::kInternal: return "internal error";
+    case ErrorCode::kOk:
+      return "ok";
+    case ErrorCode::kInvalidArgument:
+      return "invalid argument";
+    case ErrorCode::kIo:
+      return "I/O error";
+    case ErrorCode::kNoSpace:
+      return "no space left";
+    case ErrorCode::kOutOfMemory:
+      return "out of memory";
+    case ErrorCode::kNotFound:
+      return "not found";
+    case ErrorCode::kCorrupt:
+      return "corrupt data";
+    case ErrorCode::kTimeout:
+      return "timed out";
+    case ErrorCode::kUnavailable:
+      return "unavailable";
+    case ErrorCode::kCancelled:
+      return "cancelled";
+    case ErrorCode::kInternal:
+      return "internal error";
   }
   return "unknown";
 }
@@ -40,7 +51,8 @@ std::string Status::detail() const {
 
 std::string Status::to_string() const {
   if (is_ok()) return "ok";
-  if (errno_ != 0) return fmt::format("{}: {}: {}", error_code_name(code_), message_, std::strerror(errno_));
+  if (errno_ != 0)
+    return fmt::format("{}: {}: {}", error_code_name(code_), message_, std::strerror(errno_));
   return fmt::format("{}: {}", error_code_name(code_), message_);
 }
 
@@ -49,9 +61,15 @@ Status errno_status(int err, std::string message) {
   ErrorCode code = ErrorCode::kIo;
   switch (err) {
     case ENOSPC:
-    case EDQUOT: code = ErrorCode::kNoSpace; break;
-    case ENOMEM: code = ErrorCode::kOutOfMemory; break;
-    case ENOENT: code = ErrorCode::kNotFound; break;
+    case EDQUOT:
+      code = ErrorCode::kNoSpace;
+      break;
+    case ENOMEM:
+      code = ErrorCode::kOutOfMemory;
+      break;
+    case ENOENT:
+      code = ErrorCode::kNotFound;
+      break;
     case EINVAL:
     case EISDIR:
     case ENOTDIR:
@@ -59,10 +77,17 @@ Status errno_status(int err, std::string message) {
     case EPERM:
     case EROFS:
     case ELOOP:
-    case EEXIST: code = ErrorCode::kInvalidArgument; break;
-    case ETIMEDOUT: code = ErrorCode::kTimeout; break;
-    case ECANCELED: code = ErrorCode::kCancelled; break;
-    default: break;
+    case EEXIST:
+      code = ErrorCode::kInvalidArgument;
+      break;
+    case ETIMEDOUT:
+      code = ErrorCode::kTimeout;
+      break;
+    case ECANCELED:
+      code = ErrorCode::kCancelled;
+      break;
+    default:
+      break;
   }
   return Status(code, std::move(message), err);
 }

@@ -79,13 +79,15 @@ Status stop() {
   std::fprintf(f, "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n");
   bool first = true;
   for (const auto& [name, id] : r.tracks) {
-    std::fprintf(f, "%s{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":1,\"tid\":%d,"
+    std::fprintf(f,
+                 "%s{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":1,\"tid\":%d,"
                  "\"args\":{\"name\":\"%s\"}}",
                  first ? "" : ",\n", id, escape(name).c_str());
     first = false;
   }
   for (const Event& e : r.events) {
-    std::fprintf(f, "%s{\"ph\":\"X\",\"pid\":1,\"tid\":%d,\"name\":\"%s\",\"ts\":%lld,\"dur\":%lld}",
+    std::fprintf(f,
+                 "%s{\"ph\":\"X\",\"pid\":1,\"tid\":%d,\"name\":\"%s\",\"ts\":%lld,\"dur\":%lld}",
                  first ? "" : ",\n", e.track, escape(e.name).c_str(),
                  static_cast<long long>(e.ts_us), static_cast<long long>(e.dur_us));
     first = false;

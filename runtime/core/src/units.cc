@@ -12,7 +12,8 @@ Result<uint64_t> parse_bytes(std::string_view text) {
   while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
   if (s.empty()) return make_error(ErrorCode::kInvalidArgument, "empty size");
   size_t digits = 0;
-  while (digits < s.size() && (std::isdigit(static_cast<unsigned char>(s[digits])) || s[digits] == '.'))
+  while (digits < s.size() &&
+         (std::isdigit(static_cast<unsigned char>(s[digits])) || s[digits] == '.'))
     ++digits;
   if (digits == 0) {
     return make_error(ErrorCode::kInvalidArgument, "size '{}' does not start with a number", text);
@@ -26,23 +27,32 @@ Result<uint64_t> parse_bytes(std::string_view text) {
   for (char c : s.substr(digits)) {
     if (!std::isspace(static_cast<unsigned char>(c))) suffix += static_cast<char>(std::toupper(c));
   }
-  if (suffix.ends_with("IB")) suffix.resize(suffix.size() - 2);
-  else if (suffix.size() > 1 && suffix.ends_with("B")) suffix.resize(suffix.size() - 1);
+  if (suffix.ends_with("IB"))
+    suffix.resize(suffix.size() - 2);
+  else if (suffix.size() > 1 && suffix.ends_with("B"))
+    suffix.resize(suffix.size() - 1);
   double scale = 1;
-  if (suffix.empty() || suffix == "B") scale = 1;
-  else if (suffix == "K") scale = 1024.0;
-  else if (suffix == "M") scale = 1024.0 * 1024;
-  else if (suffix == "G") scale = 1024.0 * 1024 * 1024;
-  else if (suffix == "T") scale = 1024.0 * 1024 * 1024 * 1024;
+  if (suffix.empty() || suffix == "B")
+    scale = 1;
+  else if (suffix == "K")
+    scale = 1024.0;
+  else if (suffix == "M")
+    scale = 1024.0 * 1024;
+  else if (suffix == "G")
+    scale = 1024.0 * 1024 * 1024;
+  else if (suffix == "T")
+    scale = 1024.0 * 1024 * 1024 * 1024;
   else {
     return make_error(ErrorCode::kInvalidArgument,
                       "size '{}' has an unknown suffix (use K, M, G or T)", text);
   }
   double bytes = number * scale;
   if (bytes != std::floor(bytes)) {
-    return make_error(ErrorCode::kInvalidArgument, "size '{}' is not a whole number of bytes", text);
+    return make_error(ErrorCode::kInvalidArgument, "size '{}' is not a whole number of bytes",
+                      text);
   }
-  if (bytes > 1.8e19) return make_error(ErrorCode::kInvalidArgument, "size '{}' is too large", text);
+  if (bytes > 1.8e19)
+    return make_error(ErrorCode::kInvalidArgument, "size '{}' is too large", text);
   return static_cast<uint64_t>(bytes);
 }
 

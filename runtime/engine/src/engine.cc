@@ -46,9 +46,15 @@ void accumulate(float* dst, const void* src, DType dtype, uint64_t n) {
 
 void store_value(void* base, DType dtype, uint64_t i, float v) {
   switch (dtype) {
-    case DType::kF32: static_cast<float*>(base)[i] = v; break;
-    case DType::kBF16: static_cast<uint16_t*>(base)[i] = f32_to_bf16(v); break;
-    case DType::kF16: static_cast<uint16_t*>(base)[i] = f32_to_f16(v); break;
+    case DType::kF32:
+      static_cast<float*>(base)[i] = v;
+      break;
+    case DType::kBF16:
+      static_cast<uint16_t*>(base)[i] = f32_to_bf16(v);
+      break;
+    case DType::kF16:
+      static_cast<uint16_t*>(base)[i] = f32_to_f16(v);
+      break;
   }
 }
 
@@ -71,8 +77,8 @@ struct Engine::Impl {
 
   struct UnitState {
     zero::ShardLayout layout;
-    TensorId params = kNoTensor;  // working dtype: full (stages 0-2) or shard (stage 3)
-    TensorId master = kNoTensor;  // fp32 master when mixed: full (stage 0) or shard
+    TensorId params = kNoTensor;            // working dtype: full (stages 0-2) or shard (stage 3)
+    TensorId master = kNoTensor;            // fp32 master when mixed: full (stage 0) or shard
     TensorId m = kNoTensor, v = kNoTensor;  // fp32: full (stage 0) or shard
     TensorId grad_acc = kNoTensor;          // fp32: full (stages 0-1) or shard (2-3)
   };
@@ -81,8 +87,8 @@ struct Engine::Impl {
   // Reductions issued at scope end, accumulated when they complete (in issue order).
   struct Pending {
     size_t unit;
-    DeviceBuffer grads;   // the full gradient buffer (reduced in place for stage 0)
-    DeviceBuffer shard;   // stages 1-3: this rank's reduced part
+    DeviceBuffer grads;  // the full gradient buffer (reduced in place for stage 0)
+    DeviceBuffer shard;  // stages 1-3: this rank's reduced part
     std::vector<comm::Work> works;
   };
   std::deque<Pending> pending;
@@ -131,10 +137,8 @@ struct Engine::Impl {
 
   Result<TensorId> make_tensor(const zero::UnitSpec& spec, const char* what, uint64_t bytes,
                                Tier home, MemoryCategory category) {
-    return store->create_tensor(TensorSpec{.name = unit_tensor_name(spec, what),
-                                           .bytes = bytes,
-                                           .home = home,
-                                           .category = category});
+    return store->create_tensor(TensorSpec{
+        .name = unit_tensor_name(spec, what), .bytes = bytes, .home = home, .category = category});
   }
 
   Status build() {
@@ -165,20 +169,19 @@ struct Engine::Impl {
                                                       .block_size = s.io_block_size,
                                                       .rings = s.io_rings}));
       std::vector<std::string> dirs = s.nvme_paths;
-      ZINF_ASSIGN_OR_RETURN(swap, io::SwapSpace::create(*io, {.directories = dirs,
-                                                              .checksum = s.checksum}));
+      ZINF_ASSIGN_OR_RETURN(
+          swap, io::SwapSpace::create(*io, {.directories = dirs, .checksum = s.checksum}));
     }
-    pool = std::make_unique<PinnedPool>(PinnedPoolOptions{
-        .budget_bytes = s.host_mem ? s.host_mem : kUnlimited,
-        .engine = io.get(),
-        .ledger = &ledger});
+    pool = std::make_unique<PinnedPool>(
+        PinnedPoolOptions{.budget_bytes = s.host_mem ? s.host_mem : kUnlimited,
+                          .engine = io.get(),
+                          .ledger = &ledger});
     ZINF_ASSIGN_OR_RETURN(store, TieredTensorStore::create({.device = device.get(),
                                                             .host = pool.get(),
                                                             .swap = swap.get(),
                                                             .ledger = &ledger,
                                                             .staging_bytes = s.staging_bytes,
-                                                            .staging_buffers =
-                                                                s.staging_buffers,
+                                                            .staging_buffers = s.staging_buffers,
                                                             .trace_name = track("")}));
     if (s.static_loss_scale > 0) {
       scale = s.static_loss_scale;
@@ -193,13 +196,13 @@ struct Engine::Impl {
       ZINF_ASSIGN_OR_RETURN(st.layout, zero::make_shard_layout(units[u], world, s.dtype));
       const uint64_t full = st.layout.numel_padded, shard = st.layout.shard_numel;
       const uint64_t state_n = s.stage == 0 ? full : shard;
-      ZINF_ASSIGN_OR_RETURN(st.params, make_tensor(units[u], "params",
-                                                   (s.stage == 3 ? shard : full) * wsize,
-                                                   s.param_home, MemoryCategory::kParameters));
+      ZINF_ASSIGN_OR_RETURN(st.params,
+                            make_tensor(units[u], "params", (s.stage == 3 ? shard : full) * wsize,
+                                        s.param_home, MemoryCategory::kParameters));
       if (mixed) {
-        ZINF_ASSIGN_OR_RETURN(st.master, make_tensor(units[u], "master", state_n * 4,
-                                                     s.optimizer_home,
-                                                     MemoryCategory::kOptimizerStates));
+        ZINF_ASSIGN_OR_RETURN(st.master,
+                              make_tensor(units[u], "master", state_n * 4, s.optimizer_home,
+                                          MemoryCategory::kOptimizerStates));
       }
       ZINF_ASSIGN_OR_RETURN(st.m, make_tensor(units[u], "adam_m", state_n * 4, s.optimizer_home,
                                               MemoryCategory::kOptimizerStates));
@@ -245,7 +248,8 @@ struct Engine::Impl {
     }
     if (mixed && s.optimizer_home != Tier::kHost) {
       ZINF_RETURN_IF_ERROR(store->flush(st.master));
-      if (s.optimizer_home == Tier::kNvme) ZINF_RETURN_IF_ERROR(store->evict(st.master, Tier::kHost));
+      if (s.optimizer_home == Tier::kNvme)
+        ZINF_RETURN_IF_ERROR(store->evict(st.master, Tier::kHost));
     }
     return Status::ok();
   }
@@ -258,18 +262,17 @@ struct Engine::Impl {
     const uint64_t wsize = dtype_size(s.dtype);
     Pending p{.unit = u, .grads = std::move(grads)};
     if (s.stage >= 1) {
-      ZINF_ASSIGN_OR_RETURN(p.shard, store->allocate_device(l.shard_numel * wsize,
-                                                            MemoryCategory::kBuffers,
-                                                            "reduced gradient shard of " +
-                                                                units[u].name));
+      ZINF_ASSIGN_OR_RETURN(p.shard,
+                            store->allocate_device(l.shard_numel * wsize, MemoryCategory::kBuffers,
+                                                   "reduced gradient shard of " + units[u].name));
     }
     const uint64_t bucket = std::max<uint64_t>(s.reduce_bucket_elements, 1);
     auto* g = static_cast<char*>(p.grads.data());
     for (uint64_t a = 0; a < l.numel_padded; a += bucket) {
       uint64_t b = std::min(l.numel_padded, a + bucket);
       if (s.stage == 0) {
-        p.works.push_back(comm.all_reduce(g + a * wsize, g + a * wsize, b - a, s.dtype,
-                                          comm::ReduceOp::kAvg));
+        p.works.push_back(
+            comm.all_reduce(g + a * wsize, g + a * wsize, b - a, s.dtype, comm::ReduceOp::kAvg));
         comm_now.grad_reduce_elements += 2 * (b - a);
       } else {
         std::vector<size_t> counts(world);
@@ -280,8 +283,8 @@ struct Engine::Impl {
         uint64_t mine = std::max(a, l.shard_begin(rank));
         void* recv = static_cast<char*>(p.shard.data()) +
                      (mine < l.shard_end(rank) ? mine - l.shard_begin(rank) : 0) * wsize;
-        p.works.push_back(comm.reduce_scatter_v(g + a * wsize, recv, counts, s.dtype,
-                                                comm::ReduceOp::kAvg));
+        p.works.push_back(
+            comm.reduce_scatter_v(g + a * wsize, recv, counts, s.dtype, comm::ReduceOp::kAvg));
         comm_now.grad_reduce_elements += b - a;
       }
     }
@@ -383,8 +386,9 @@ struct Engine::Impl {
     if (recording && !trace.empty()) {
       recording = false;  // the first full step is the trace
     } else if (!recording && trace_pos != trace.size()) {
-      log::warn_once("engine:trace-short", "a step gathered fewer units than the recorded one; "
-                                           "re-recording");
+      log::warn_once("engine:trace-short",
+                     "a step gathered fewer units than the recorded one; "
+                     "re-recording");
       recording = true;
       trace.clear();
     }
@@ -412,8 +416,8 @@ struct Engine::Impl {
       } else {
         double mine = 0;
         if (need_norm) {
-        ZINF_ASSIGN_OR_RETURN(mine, partial_sum_squares(rank, combined));
-      }
+          ZINF_ASSIGN_OR_RETURN(mine, partial_sum_squares(rank, combined));
+        }
         ZINF_ASSIGN_OR_RETURN(auto all, exchange_partials(local_of, mine));
         for (auto& [of, p] : all) {
           overflow = overflow || of;
@@ -450,8 +454,7 @@ struct Engine::Impl {
     }
     ZINF_RETURN_IF_ERROR(zero_gradients());
     if (s.stage == 1 || s.stage == 2) ZINF_RETURN_IF_ERROR(gather_updated_parameters());
-    if (s.dtype == DType::kF16 && s.static_loss_scale == 0 &&
-        ++good_steps >= s.loss_scale_window) {
+    if (s.dtype == DType::kF16 && s.static_loss_scale == 0 && ++good_steps >= s.loss_scale_window) {
       scale *= 2;
       good_steps = 0;
     }
@@ -470,8 +473,9 @@ struct Engine::Impl {
       return;
     }
     if (trace_pos >= trace.size() || trace[trace_pos] != u) {
-      log::warn_once("engine:trace", "the order of unit gathers differs from the recorded step; "
-                                     "re-recording it (prefetching resumes after the next step)");
+      log::warn_once("engine:trace",
+                     "the order of unit gathers differs from the recorded step; "
+                     "re-recording it (prefetching resumes after the next step)");
       recording = true;
       trace.clear();
       trace.push_back(u);
@@ -509,8 +513,8 @@ struct Engine::Impl {
     ZINF_ASSIGN_OR_RETURN(TensorHandle params, store->acquire(st.params, tier));
     TensorHandle master;
     if (mixed) {
-        ZINF_ASSIGN_OR_RETURN(master, store->acquire(st.master, tier));
-      }
+      ZINF_ASSIGN_OR_RETURN(master, store->acquire(st.master, tier));
+    }
     ZINF_ASSIGN_OR_RETURN(TensorHandle m, store->acquire(st.m, tier));
     ZINF_ASSIGN_OR_RETURN(TensorHandle v, store->acquire(st.v, tier));
     ZINF_ASSIGN_OR_RETURN(TensorHandle acc, store->acquire(st.grad_acc, tier));
@@ -691,9 +695,9 @@ void* Engine::scope_grads(UnitScope& scope) {
   if (!scope.grads_) {
     Impl& s = *impl_;
     const auto& l = s.unit_states[scope.unit_].layout;
-    auto g = s.store->allocate_device(l.numel_padded * dtype_size(s.s.dtype),
-                                      MemoryCategory::kGradients,
-                                      "gradient buffer of " + s.units[scope.unit_].name);
+    auto g =
+        s.store->allocate_device(l.numel_padded * dtype_size(s.s.dtype), MemoryCategory::kGradients,
+                                 "gradient buffer of " + s.units[scope.unit_].name);
     if (!g.is_ok()) {
       if (s.sticky.is_ok()) s.sticky = g.status();
       return nullptr;
@@ -763,8 +767,8 @@ Result<std::vector<float>> Engine::full_parameters(size_t unit) {
     std::memcpy(mine.data(), static_cast<float*>(h.data()) + s.param_index(st, begin),
                 l.shard_numel * 4);
   }
-  ZINF_RETURN_IF_ERROR(s.comm.all_gather(mine.data(), full.data(), l.shard_numel, DType::kF32)
-                           .wait());
+  ZINF_RETURN_IF_ERROR(
+      s.comm.all_gather(mine.data(), full.data(), l.shard_numel, DType::kF32).wait());
   s.comm.reset_counters();
   full.resize(l.numel);
   return full;

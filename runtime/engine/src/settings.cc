@@ -9,9 +9,12 @@ namespace {
 
 Tier tier_of(config::OffloadDevice d) {
   switch (d) {
-    case config::OffloadDevice::kNone: return Tier::kDevice;
-    case config::OffloadDevice::kCpu: return Tier::kHost;
-    case config::OffloadDevice::kNvme: return Tier::kNvme;
+    case config::OffloadDevice::kNone:
+      return Tier::kDevice;
+    case config::OffloadDevice::kCpu:
+      return Tier::kHost;
+    case config::OffloadDevice::kNvme:
+      return Tier::kNvme;
   }
   return Tier::kDevice;
 }
@@ -57,9 +60,10 @@ Result<EngineSettings> settings_from_config(const config::Config& c) {
   s.io_block_size = c.aio.block_size;
   s.io_rings = static_cast<uint32_t>(std::max(c.aio.intra_op_parallelism, 1));
   if (c.zero.offload_optimizer.ratio < 1.0) {
-    log::warn("zero_optimization.offload_optimizer.ratio = {} is accepted but partial offload is "
-              "not implemented yet: the whole optimizer state is offloaded",
-              c.zero.offload_optimizer.ratio);
+    log::warn(
+        "zero_optimization.offload_optimizer.ratio = {} is accepted but partial offload is "
+        "not implemented yet: the whole optimizer state is offloaded",
+        c.zero.offload_optimizer.ratio);
   }
   return s;
 }

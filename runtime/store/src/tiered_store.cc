@@ -26,11 +26,11 @@ struct Job {
 struct Copy {
   bool allocated = false;
   bool valid = false;
-  bool writing_back = false;   // this copy is being written to its home
+  bool writing_back = false;  // this copy is being written to its home
   int pins = 0;
   DeviceBuffer dev;
   PinnedBuffer host;
-  void* ptr = nullptr;         // device or host data; null for NVMe
+  void* ptr = nullptr;            // device or host data; null for NVMe
   std::shared_ptr<Job> incoming;  // a move filling this copy
   uint64_t last_use = 0;
 };
@@ -38,7 +38,7 @@ struct Copy {
 struct Tensor {
   TensorSpec spec;
   uint64_t padded = 0;
-  uint64_t version = 0;   // bumped by every mark_dirty: moves started before it are stale
+  uint64_t version = 0;  // bumped by every mark_dirty: moves started before it are stale
   io::ExtentId extent = 0;
   Copy copies[kNumTiers];
   uint64_t next_use = kUnknownUse;
@@ -76,9 +76,7 @@ struct TieredTensorStore::Impl {
 
   explicit Impl(const StoreOptions& options) : o(options) {}
 
-  Tensor* get(TensorId id) const {
-    return id < tensors.size() ? tensors[id].get() : nullptr;
-  }
+  Tensor* get(TensorId id) const { return id < tensors.size() ? tensors[id].get() : nullptr; }
 
   // ---- lanes ---------------------------------------------------------------------------------
   Lane* take_lane() {
@@ -218,7 +216,9 @@ struct TieredTensorStore::Impl {
 
   // The trace track of a move between two tiers.
   std::string track(Tier from, Tier to) const {
-    const char* kind = from == Tier::kNvme ? "nvme read" : to == Tier::kNvme ? "nvme write" : "copy";
+    const char* kind = from == Tier::kNvme ? "nvme read"
+                       : to == Tier::kNvme ? "nvme write"
+                                           : "copy";
     return o.trace_name + " " + kind;
   }
 
@@ -387,9 +387,8 @@ struct TieredTensorStore::Impl {
     Copy& d = t->copies[idx(dst)];
     if (d.valid) return Status::ok();
     // The nearest valid source.
-    static constexpr Tier kOrder[kNumTiers][2] = {{Tier::kHost, Tier::kNvme},
-                                                  {Tier::kDevice, Tier::kNvme},
-                                                  {Tier::kHost, Tier::kDevice}};
+    static constexpr Tier kOrder[kNumTiers][2] = {
+        {Tier::kHost, Tier::kNvme}, {Tier::kDevice, Tier::kNvme}, {Tier::kHost, Tier::kDevice}};
     Tier src = kOrder[idx(dst)][0];
     if (!t->copies[idx(src)].valid) src = kOrder[idx(dst)][1];
     Copy& sc = t->copies[idx(src)];
@@ -543,8 +542,7 @@ TieredTensorStore::~TieredTensorStore() {
     Tensor* t = s.tensors[id].get();
     if (t == nullptr) continue;
     for (int k = 0; k < kNumTiers; ++k) {
-      ZINF_CHECK(t->copies[k].pins == 0, "store destroyed while tensor {} is pinned",
-                 t->spec.name);
+      ZINF_CHECK(t->copies[k].pins == 0, "store destroyed while tensor {} is pinned", t->spec.name);
       s.free_copy(*t, static_cast<Tier>(k));
     }
     if (t->extent) {
@@ -634,7 +632,7 @@ Status TieredTensorStore::destroy_tensor(TensorId id) {
 }
 
 Result<DeviceBuffer> TieredTensorStore::allocate_device(uint64_t bytes, MemoryCategory category,
-                                                         const std::string& what) {
+                                                        const std::string& what) {
   Impl& s = *impl_;
   if (s.o.device == nullptr) {
     return make_error(ErrorCode::kInvalidArgument, "the store has no device tier");
@@ -647,8 +645,7 @@ Result<DeviceBuffer> TieredTensorStore::allocate_device(uint64_t bytes, MemoryCa
     }
     Status e = s.evict_one(lk, Tier::kDevice);
     if (e.code() == ErrorCode::kOutOfMemory) {
-      return std::move(b).take_status().with_context(what +
-                                                     " (every resident copy is in use)");
+      return std::move(b).take_status().with_context(what + " (every resident copy is in use)");
     }
     ZINF_RETURN_IF_ERROR(e);
   }
@@ -825,8 +822,7 @@ void TieredTensorStore::dirty(TensorId id, Tier tier) {
   Impl& s = *impl_;
   std::lock_guard lk(s.mu);
   Tensor* t = s.get(id);
-  ZINF_CHECK(t != nullptr && t->copies[idx(tier)].pins > 0, "mark_dirty of unpinned tensor {}",
-             id);
+  ZINF_CHECK(t != nullptr && t->copies[idx(tier)].pins > 0, "mark_dirty of unpinned tensor {}", id);
   ++t->version;
   for (int k = 0; k < kNumTiers; ++k) {
     if (k != idx(tier)) t->copies[k].valid = false;

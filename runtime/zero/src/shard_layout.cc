@@ -35,8 +35,8 @@ Result<ShardLayout> make_shard_layout(const UnitSpec& unit, int world, DType wor
       }
       numel *= static_cast<uint64_t>(d);
     }
-    l.params.push_back({.name = p.name, .offset = l.numel, .numel = numel,
-                        .weight_decay = p.weight_decay});
+    l.params.push_back(
+        {.name = p.name, .offset = l.numel, .numel = numel, .weight_decay = p.weight_decay});
     l.numel += numel;
   }
   uint64_t quantum = l.block_numel * static_cast<uint64_t>(world);

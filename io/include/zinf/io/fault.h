@@ -33,11 +33,11 @@ enum class IoOp : uint8_t { kRead, kWrite };
 enum class FaultKind : uint8_t { kEio, kEnospc, kShort, kEagain };
 
 struct FaultRule {
-  std::optional<IoOp> op;       // nullopt: reads and writes
-  uint64_t nth = 1;             // 1-based index of the matching submission that fails
-  bool and_after = false;       // also every matching submission after the nth
+  std::optional<IoOp> op;  // nullopt: reads and writes
+  uint64_t nth = 1;        // 1-based index of the matching submission that fails
+  bool and_after = false;  // also every matching submission after the nth
   FaultKind kind = FaultKind::kEio;
-  std::string path_contains;    // empty: any file
+  std::string path_contains;  // empty: any file
 };
 
 class FaultInjector {

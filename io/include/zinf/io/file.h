@@ -15,12 +15,12 @@
 namespace zinf::io {
 
 struct FileOptions {
-  bool create = false;      // O_CREAT
-  bool exclusive = false;   // O_EXCL (with create): fail if the path exists
+  bool create = false;     // O_CREAT
+  bool exclusive = false;  // O_EXCL (with create): fail if the path exists
   bool read_only = false;
-  bool direct = true;       // ask for O_DIRECT (fall back to buffered where refused)
-  bool no_follow = true;    // O_NOFOLLOW: never open through a symlink
-  mode_t mode = 0600;       // permissions of a created file
+  bool direct = true;     // ask for O_DIRECT (fall back to buffered where refused)
+  bool no_follow = true;  // O_NOFOLLOW: never open through a symlink
+  mode_t mode = 0600;     // permissions of a created file
 };
 
 class File {
@@ -51,7 +51,10 @@ class File {
 
  private:
   File(int fd, std::string path, bool direct, uint32_t mem_align, uint32_t offset_align)
-      : fd_(fd), path_(std::move(path)), direct_(direct), mem_align_(mem_align),
+      : fd_(fd),
+        path_(std::move(path)),
+        direct_(direct),
+        mem_align_(mem_align),
         offset_align_(offset_align) {}
 
   int fd_ = -1;

@@ -37,9 +37,9 @@ struct IoBenchResult {
   double seconds = 0;
   double bytes_per_s = 0;
   double iops = 0;
-  bool direct = true;       // false when the file system refused O_DIRECT
+  bool direct = true;  // false when the file system refused O_DIRECT
   uint64_t verified_sectors = 0;
-  std::string file;         // the (now removed) benchmark file
+  std::string file;  // the (now removed) benchmark file
 };
 
 // Called about every 200 ms during the timed phase: (phase name, bytes done, bytes total, seconds).

@@ -35,21 +35,21 @@
 namespace zinf::io {
 
 struct IoEngineOptions {
-  uint32_t queue_depth = 32;          // chunks in flight per ring
-  uint64_t block_size = 1ull << 20;   // largest chunk handed to the kernel
-  uint32_t rings = 1;                 // rings, each with its own thread
-  bool fixed_buffers = true;          // use registered buffers when a request falls in one
-  bool fixed_files = true;            // use the fixed-file table for registered files
+  uint32_t queue_depth = 32;         // chunks in flight per ring
+  uint64_t block_size = 1ull << 20;  // largest chunk handed to the kernel
+  uint32_t rings = 1;                // rings, each with its own thread
+  bool fixed_buffers = true;         // use registered buffers when a request falls in one
+  bool fixed_files = true;           // use the fixed-file table for registered files
   uint32_t max_registered_buffers = 64;
   uint32_t max_registered_files = 256;
-  uint32_t max_retries = 1000;        // -EAGAIN/-EINTR resubmissions of one chunk before failing
+  uint32_t max_retries = 1000;  // -EAGAIN/-EINTR resubmissions of one chunk before failing
 };
 
 struct IoRequest {
   IoOp op = IoOp::kRead;
   const File* file = nullptr;
   uint64_t offset = 0;
-  void* buffer = nullptr;   // for writes, read only
+  void* buffer = nullptr;  // for writes, read only
   uint64_t length = 0;
 };
 
@@ -59,11 +59,11 @@ struct IoStats {
   uint64_t requests_completed = 0;
   uint64_t requests_failed = 0;
   uint64_t chunks_submitted = 0;
-  uint64_t short_continuations = 0;   // chunks resubmitted after a short transfer
-  uint64_t retries = 0;               // -EAGAIN / -EINTR resubmissions
+  uint64_t short_continuations = 0;  // chunks resubmitted after a short transfer
+  uint64_t retries = 0;              // -EAGAIN / -EINTR resubmissions
   uint64_t bytes_read = 0;
   uint64_t bytes_written = 0;
-  uint64_t fixed_buffer_chunks = 0;   // chunks that used a registered buffer
+  uint64_t fixed_buffer_chunks = 0;  // chunks that used a registered buffer
 };
 
 class IoEngine {

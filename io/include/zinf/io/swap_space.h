@@ -28,19 +28,19 @@
 namespace zinf::io {
 
 struct SwapSpaceOptions {
-  std::vector<std::string> directories;  // one per NVMe drive; must exist and be writable
-  uint64_t file_bytes = 1ull << 30;       // preallocation unit of the swap files
-  uint64_t stripe_min_bytes = 1ull << 20; // stripe only extents of at least this per directory
-  bool checksum = false;                  // XXH3-64 per extent, verified on read
-  bool direct = true;                     // O_DIRECT (falls back to buffered where refused)
+  std::vector<std::string> directories;    // one per NVMe drive; must exist and be writable
+  uint64_t file_bytes = 1ull << 30;        // preallocation unit of the swap files
+  uint64_t stripe_min_bytes = 1ull << 20;  // stripe only extents of at least this per directory
+  bool checksum = false;                   // XXH3-64 per extent, verified on read
+  bool direct = true;                      // O_DIRECT (falls back to buffered where refused)
 };
 
 using ExtentId = uint64_t;
 
 struct SwapStats {
   uint64_t extents = 0;
-  uint64_t bytes_allocated = 0;   // padded bytes held by live extents
-  uint64_t bytes_reserved = 0;    // bytes preallocated in swap files
+  uint64_t bytes_allocated = 0;  // padded bytes held by live extents
+  uint64_t bytes_reserved = 0;   // bytes preallocated in swap files
   uint64_t files = 0;
   uint64_t bytes_written = 0;
   uint64_t bytes_read = 0;

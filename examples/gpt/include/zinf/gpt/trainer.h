@@ -20,15 +20,15 @@ struct TrainOptions {
   int seq = 0;                        // tokens per sequence; 0 = the model's context
   int steps = 100;
   uint64_t seed = 1;
-  std::string data;                   // text file; empty = the fortunes corpus
-  int ranks = 1;                      // local threads (ignored under mpirun)
-  bool mpi = false;                   // one rank per process (set when launched by mpirun)
-  EngineSettings engine;              // stage, dtype, optimizer, offload, budgets
-  std::string log_json;               // one JSON object per step
-  std::string export_path;            // consolidated fp32 weights (.safetensors) at the end
-  int sample_bytes = 0;               // text generated at the end
+  std::string data;         // text file; empty = the fortunes corpus
+  int ranks = 1;            // local threads (ignored under mpirun)
+  bool mpi = false;         // one rank per process (set when launched by mpirun)
+  EngineSettings engine;    // stage, dtype, optimizer, offload, budgets
+  std::string log_json;     // one JSON object per step
+  std::string export_path;  // consolidated fp32 weights (.safetensors) at the end
+  int sample_bytes = 0;     // text generated at the end
   std::string sample_prompt = "\n";
-  bool progress = true;               // a progress line on a terminal
+  bool progress = true;  // a progress line on a terminal
 };
 
 struct StepLog {
@@ -38,9 +38,9 @@ struct StepLog {
   double tokens_per_s = 0;
   bool skipped = false;
   double grad_norm = 0;
-  MemoryReport memory;        // rank 0
-  CommReport comm;            // rank 0
-  uint64_t nvme_read = 0;     // rank 0, this step
+  MemoryReport memory;     // rank 0
+  CommReport comm;         // rank 0
+  uint64_t nvme_read = 0;  // rank 0, this step
   uint64_t nvme_written = 0;
 };
 
@@ -48,11 +48,11 @@ struct TrainReport {
   std::vector<StepLog> steps;
   std::vector<MemoryReport> memory;  // per rank, at the end (peaks over the run)
   int world = 1;
-  int64_t parameters = 0;            // unpadded
-  uint64_t padded_parameters = 0;    // P of the ZeRO arithmetic
+  int64_t parameters = 0;          // unpadded
+  uint64_t padded_parameters = 0;  // P of the ZeRO arithmetic
   std::string sample;
-  double initial_loss = 0;           // loss of the first step
-  double final_loss = 0;             // mean loss of the last 10 % of steps
+  double initial_loss = 0;  // loss of the first step
+  double final_loss = 0;    // mean loss of the last 10 % of steps
 };
 
 using StepCallback = std::function<void(const StepLog&, int total_steps)>;

@@ -71,8 +71,8 @@ Status make_error(ErrorCode code, fmt::format_string<Args...> f, Args&&... args)
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : v_(std::move(value)) {}  // NOLINT: implicit on purpose
-  Result(Status status) : v_(std::move(status)) {  // NOLINT
+  Result(T value) : v_(std::move(value)) {}          // NOLINT: implicit on purpose
+  Result(Status status) : v_(std::move(status)) {    // NOLINT
     if (std::get<Status>(v_).is_ok()) std::abort();  // an ok Status carries no value
   }
 
@@ -98,29 +98,30 @@ class [[nodiscard]] Result {
   std::variant<T, Status> v_;
 };
 
-[[noreturn]] void check_failed(const char* file, int line, const char* expr, const std::string& msg);
+[[noreturn]] void check_failed(const char* file, int line, const char* expr,
+                               const std::string& msg);
 
 }  // namespace zinf
 
 // Broken invariants: abort with file:line and the expression. Never for system calls.
-#define ZINF_CHECK(cond, ...)                                                              \
-  do {                                                                                     \
-    if (!(cond)) [[unlikely]]                                                              \
-      ::zinf::check_failed(__FILE__, __LINE__, #cond, ::fmt::format("" __VA_ARGS__));      \
+#define ZINF_CHECK(cond, ...)                                                         \
+  do {                                                                                \
+    if (!(cond)) [[unlikely]]                                                         \
+      ::zinf::check_failed(__FILE__, __LINE__, #cond, ::fmt::format("" __VA_ARGS__)); \
   } while (0)
 
 #define ZINF_CONCAT_INNER(a, b) a##b
 #define ZINF_CONCAT(a, b) ZINF_CONCAT_INNER(a, b)
 
-#define ZINF_RETURN_IF_ERROR(expr)                     \
-  do {                                                 \
-    ::zinf::Status zinf_status_ = (expr);              \
-    if (!zinf_status_.is_ok()) return zinf_status_;    \
+#define ZINF_RETURN_IF_ERROR(expr)                  \
+  do {                                              \
+    ::zinf::Status zinf_status_ = (expr);           \
+    if (!zinf_status_.is_ok()) return zinf_status_; \
   } while (0)
 
-#define ZINF_ASSIGN_OR_RETURN_IMPL(tmp, lhs, expr)         \
-  auto tmp = (expr);                                       \
-  if (!tmp.is_ok()) return std::move(tmp).take_status();   \
+#define ZINF_ASSIGN_OR_RETURN_IMPL(tmp, lhs, expr)       \
+  auto tmp = (expr);                                     \
+  if (!tmp.is_ok()) return std::move(tmp).take_status(); \
   lhs = std::move(tmp).value()
 
 #define ZINF_ASSIGN_OR_RETURN(lhs, expr) \

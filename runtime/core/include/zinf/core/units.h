@@ -11,8 +11,8 @@
 namespace zinf {
 
 Result<uint64_t> parse_bytes(std::string_view text);
-std::string format_bytes(double bytes);        // "1.50 GiB"
-std::string format_rate(double bytes_per_s);   // "1.23 GB/s" (decimal, as fio prints)
+std::string format_bytes(double bytes);       // "1.50 GiB"
+std::string format_rate(double bytes_per_s);  // "1.23 GB/s" (decimal, as fio prints)
 
 constexpr uint64_t align_up(uint64_t value, uint64_t alignment) {
   return (value + alignment - 1) / alignment * alignment;

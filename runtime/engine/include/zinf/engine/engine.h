@@ -48,33 +48,33 @@
 namespace zinf {
 
 struct EngineSettings {
-  int stage = 0;                       // ZeRO stage 0..3
-  DType dtype = DType::kF32;           // working parameters and gradients
+  int stage = 0;              // ZeRO stage 0..3
+  DType dtype = DType::kF32;  // working parameters and gradients
   int gradient_accumulation_steps = 1;
-  float gradient_clipping = 0;         // global-norm clipping; 0 = off
-  kernels::AdamConfig adam;            // AdamW by default (decoupled weight decay)
+  float gradient_clipping = 0;  // global-norm clipping; 0 = off
+  kernels::AdamConfig adam;     // AdamW by default (decoupled weight decay)
   // fp16 dynamic loss scaling (as DeepSpeed): skip the step and lower the scale on overflow.
-  float static_loss_scale = 0;         // > 0: a fixed scale; 0: dynamic
+  float static_loss_scale = 0;  // > 0: a fixed scale; 0: dynamic
   int initial_scale_power = 16;
   int loss_scale_window = 1000;
   int hysteresis = 2;
   float min_loss_scale = 1;
   uint64_t reduce_bucket_elements = 500'000'000;  // reduce_bucket_size
-  bool overlap_comm = false;           // leave reductions in flight across scopes
+  bool overlap_comm = false;                      // leave reductions in flight across scopes
   // Placement: where parameters and optimizer state live (the offload work sets these).
   Tier param_home = Tier::kDevice;
   Tier optimizer_home = Tier::kDevice;
   std::vector<std::string> nvme_paths;
-  uint64_t device_mem = 0;             // device budget in bytes; 0 = unlimited
-  uint64_t host_mem = 0;               // pinned-host budget in bytes; 0 = unlimited
-  uint64_t staging_bytes = 2ull << 20; // NVMe <-> device staging piece (multiple of 1 MiB)
-  uint32_t staging_buffers = 4;        // staging pieces in flight per move
-  size_t prefetch_units = 2;           // stage 3 offload: units prefetched ahead along the trace
-  bool checksum = false;               // XXH3 per swapped 1 MiB block, verified on read
-  uint32_t io_queue_depth = 32;        // aio.queue_depth
-  uint64_t io_block_size = 1 << 20;    // aio.block_size
-  uint32_t io_rings = 1;               // aio.intra_op_parallelism
-  int optimizer_threads = 0;           // CPU Adam threads; 0 = all
+  uint64_t device_mem = 0;              // device budget in bytes; 0 = unlimited
+  uint64_t host_mem = 0;                // pinned-host budget in bytes; 0 = unlimited
+  uint64_t staging_bytes = 2ull << 20;  // NVMe <-> device staging piece (multiple of 1 MiB)
+  uint32_t staging_buffers = 4;         // staging pieces in flight per move
+  size_t prefetch_units = 2;            // stage 3 offload: units prefetched ahead along the trace
+  bool checksum = false;                // XXH3 per swapped 1 MiB block, verified on read
+  uint32_t io_queue_depth = 32;         // aio.queue_depth
+  uint64_t io_block_size = 1 << 20;     // aio.block_size
+  uint32_t io_rings = 1;                // aio.intra_op_parallelism
+  int optimizer_threads = 0;            // CPU Adam threads; 0 = all
   uint64_t seed = 0;
 };
 
@@ -108,16 +108,16 @@ class UnitScope {
   Engine* engine_ = nullptr;
   size_t unit_ = 0;
   void* params_ = nullptr;
-  TensorHandle param_handle_;   // stages 0-2: the resident full parameters
-  DeviceBuffer gathered_;       // stage 3: the all-gathered full parameters
+  TensorHandle param_handle_;  // stages 0-2: the resident full parameters
+  DeviceBuffer gathered_;      // stage 3: the all-gathered full parameters
   DeviceBuffer grads_;
   std::chrono::steady_clock::time_point opened_;  // for the trace
 };
 
 struct StepInfo {
-  int64_t step = 0;          // optimizer steps taken
-  bool skipped = false;      // fp16 overflow: no update this step
-  double grad_norm = 0;      // global norm of the (unscaled, averaged) gradients
+  int64_t step = 0;      // optimizer steps taken
+  bool skipped = false;  // fp16 overflow: no update this step
+  double grad_norm = 0;  // global norm of the (unscaled, averaged) gradients
   float loss_scale = 1;
 };
 
@@ -127,11 +127,11 @@ struct MemoryReport {
 
 struct CommReport {
   // Elements of the full buffers each rank took part in during the last step (ZeRO volumes).
-  uint64_t param_gather_elements = 0;   // all-gathers of parameters
-  uint64_t grad_reduce_elements = 0;    // reduce-scatters (P) or all-reduces (2P) of gradients
-  uint64_t control_elements = 0;        // norms, overflow flags
+  uint64_t param_gather_elements = 0;  // all-gathers of parameters
+  uint64_t grad_reduce_elements = 0;   // reduce-scatters (P) or all-reduces (2P) of gradients
+  uint64_t control_elements = 0;       // norms, overflow flags
   uint64_t volume_elements() const { return param_gather_elements + grad_reduce_elements; }
-  comm::CommCounters counters;          // the communicator's counters over the last step
+  comm::CommCounters counters;  // the communicator's counters over the last step
 };
 
 class Engine {

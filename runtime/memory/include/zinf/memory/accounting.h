@@ -17,18 +17,22 @@ constexpr std::string_view tier_name(Tier t) {
 }
 
 enum class MemoryCategory : uint8_t {
-  kParameters = 0,       // working parameters (full units gathered, or shards)
-  kGradients,            // gradient buffers and shards
-  kOptimizerStates,      // fp32 master, Adam m and v
-  kBuffers,              // staging, buckets, communication scratch
+  kParameters = 0,   // working parameters (full units gathered, or shards)
+  kGradients,        // gradient buffers and shards
+  kOptimizerStates,  // fp32 master, Adam m and v
+  kBuffers,          // staging, buckets, communication scratch
 };
 inline constexpr int kNumCategories = 4;
 constexpr std::string_view category_name(MemoryCategory c) {
   switch (c) {
-    case MemoryCategory::kParameters: return "parameters";
-    case MemoryCategory::kGradients: return "gradients";
-    case MemoryCategory::kOptimizerStates: return "optimizer_states";
-    case MemoryCategory::kBuffers: return "buffers";
+    case MemoryCategory::kParameters:
+      return "parameters";
+    case MemoryCategory::kGradients:
+      return "gradients";
+    case MemoryCategory::kOptimizerStates:
+      return "optimizer_states";
+    case MemoryCategory::kBuffers:
+      return "buffers";
   }
   return "?";
 }

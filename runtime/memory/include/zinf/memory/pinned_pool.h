@@ -52,18 +52,18 @@ class PinnedBuffer {
 
 struct PinnedPoolOptions {
   uint64_t budget_bytes = 1ull << 30;
-  bool pin = true;                  // mlock (falls back to pageable memory when refused)
-  io::IoEngine* engine = nullptr;   // register buffers for fixed-buffer I/O
-  Ledger* ledger = nullptr;         // Tier::kHost accounting; may be null
+  bool pin = true;                 // mlock (falls back to pageable memory when refused)
+  io::IoEngine* engine = nullptr;  // register buffers for fixed-buffer I/O
+  Ledger* ledger = nullptr;        // Tier::kHost accounting; may be null
 };
 
 struct PinnedPoolStats {
   uint64_t bytes_in_use = 0;
   uint64_t bytes_cached = 0;
-  uint64_t allocations = 0;      // fresh allocations from the system
-  uint64_t reuses = 0;           // requests served from the cache
-  uint64_t registered = 0;       // buffers currently registered with the IoEngine
-  bool pinned = true;            // false once pinning was refused
+  uint64_t allocations = 0;  // fresh allocations from the system
+  uint64_t reuses = 0;       // requests served from the cache
+  uint64_t registered = 0;   // buffers currently registered with the IoEngine
+  bool pinned = true;        // false once pinning was refused
 };
 
 class PinnedPool {
@@ -96,8 +96,8 @@ class PinnedPool {
 
   PinnedPoolOptions options_;
   mutable std::mutex mu_;
-  std::multimap<uint64_t, Block> cache_;          // size -> free block
-  std::map<void*, Block> live_;                    // data -> block handed out
+  std::multimap<uint64_t, Block> cache_;  // size -> free block
+  std::map<void*, Block> live_;           // data -> block handed out
   PinnedPoolStats stats_;
 };
 

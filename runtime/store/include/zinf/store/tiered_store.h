@@ -39,32 +39,32 @@ namespace zinf {
 using TensorId = uint32_t;
 
 struct TensorSpec {
-  std::string name;   // appears in every error about this tensor
+  std::string name;  // appears in every error about this tensor
   uint64_t bytes = 0;
   Tier home = Tier::kDevice;
   MemoryCategory category = MemoryCategory::kParameters;
 };
 
 struct StoreOptions {
-  Device* device = nullptr;         // the kDevice tier (budgeted by the device)
-  PinnedPool* host = nullptr;       // the kHost tier (budgeted by the pool) and staging
-  io::SwapSpace* swap = nullptr;    // the kNvme tier; required for tensors homed there
-  Ledger* ledger = nullptr;         // NVMe bytes are accounted here (device/host by their owners)
+  Device* device = nullptr;       // the kDevice tier (budgeted by the device)
+  PinnedPool* host = nullptr;     // the kHost tier (budgeted by the pool) and staging
+  io::SwapSpace* swap = nullptr;  // the kNvme tier; required for tensors homed there
+  Ledger* ledger = nullptr;       // NVMe bytes are accounted here (device/host by their owners)
   uint64_t staging_bytes = 2ull << 20;  // piece size of NVMe <-> device moves (multiple of 1 MiB)
   uint32_t staging_buffers = 4;         // pieces in flight per move (at least 2)
   uint32_t movers = 2;
-  std::string trace_name = "store";     // prefix of this store's tracks in a trace (e.g. "rank0")
+  std::string trace_name = "store";  // prefix of this store's tracks in a trace (e.g. "rank0")
 };
 
 struct StoreStats {
-  uint64_t moves = 0;               // copies produced
+  uint64_t moves = 0;  // copies produced
   uint64_t bytes_to_device = 0;
   uint64_t bytes_to_host = 0;
   uint64_t bytes_nvme_read = 0;
   uint64_t bytes_nvme_written = 0;
-  uint64_t evictions = 0;           // copies dropped to make room
-  uint64_t writebacks = 0;          // dirty copies written to their home
-  uint64_t stale_discards = 0;      // moves whose result was outdated by a write meanwhile
+  uint64_t evictions = 0;       // copies dropped to make room
+  uint64_t writebacks = 0;      // dirty copies written to their home
+  uint64_t stale_discards = 0;  // moves whose result was outdated by a write meanwhile
 };
 
 struct Residency {
@@ -85,7 +85,7 @@ class TensorHandle {
   ~TensorHandle() { release(); }
 
   void* data() const { return data_; }
-  uint64_t bytes() const { return bytes_; }   // padded to 4 KiB
+  uint64_t bytes() const { return bytes_; }  // padded to 4 KiB
   Tier tier() const { return tier_; }
   TensorId id() const { return id_; }
   explicit operator bool() const { return store_ != nullptr; }

@@ -3,8 +3,8 @@
 // A unit (typically one transformer block) is a list of named parameters. Its parameters live in
 // one flat buffer, in declaration order, each at an offset (a view); the buffer is padded at the
 // end so that it splits into `world` equal shards of whole 4 KiB blocks in the working dtype
-// (and so of whole blocks in fp32 too). Rank r owns elements [r * shard_numel, (r+1) * shard_numel).
-// One unit = one all-gather, one NVMe extent per state, one reduce-scatter.
+// (and so of whole blocks in fp32 too). Rank r owns elements [r * shard_numel, (r+1) *
+// shard_numel). One unit = one all-gather, one NVMe extent per state, one reduce-scatter.
 #pragma once
 
 #include <cstdint>
