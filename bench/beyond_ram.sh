@@ -16,7 +16,7 @@ mkdir -p "$DIR"
 LOG=$(mktemp)
 trap 'rm -f "$LOG"' EXIT
 
-ram=$(awk '/MemTotal/ { printf "%d", $2 * 1024 }' /proc/meminfo)
+ram=$(($(awk '/MemTotal/ { print $2 }' /proc/meminfo) * 1024))
 state=$("$ZINF" train --model "$PRESET" --describe | python3 -c 'import json,sys; print(json.load(sys.stdin)["training_state_bytes_fp32"])')
 params=$((state / 16))
 echo "model $PRESET: $params parameters, fp32 training state $((state >> 20)) MiB, RAM $((ram >> 20)) MiB"
@@ -26,7 +26,7 @@ fi
 
 "$ZINF" train --model "$PRESET" --ranks 1 --stage 3 --offload-param nvme --offload-optimizer nvme \
   --nvme-path "$DIR" --device-mem "$BUDGET" --host-mem "$BUDGET" --batch 1 --seq "$SEQ" \
-  --steps 2 --log-json "$LOG"
+  --steps 2 --lr 1e-4 --log-json "$LOG"
 
 python3 - "$LOG" "$state" "$params" <<'PY'
 import json, sys
