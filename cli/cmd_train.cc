@@ -40,6 +40,7 @@ struct Args {
   int sample = 0;
   bool quiet = false;
   bool describe = false;
+  int prefetch = 2;
 };
 
 // Peak resident set size of this process, in bytes.
@@ -153,6 +154,8 @@ void run(const Args& a, const CLI::App& sub) {
     throw CliError("parameter offload needs ZeRO stage 3", 2);
   }
   if (!from_config || given("--nvme-path")) e.nvme_paths = a.nvme_paths;
+  if (a.prefetch < 0) throw CliError("--prefetch must be at least 0", 2);
+  e.prefetch_units = static_cast<size_t>(a.prefetch);
   for (const std::string& p : e.nvme_paths) {
     std::error_code ec;
     std::filesystem::create_directories(p, ec);
@@ -254,6 +257,9 @@ const Registration kTrain{
       sub.add_option("--offload-optimizer", a->offload_optimizer, "none | cpu | nvme");
       sub.add_option("--nvme-path", a->nvme_paths, "Swap directory (repeatable: striped)");
       sub.add_option("--dtype", a->dtype, "fp32 | bf16 | fp16 working precision (default fp32)");
+      sub.add_option("--prefetch", a->prefetch,
+                     "Stage 3 offload: units prefetched ahead along the recorded order (default "
+                     "2; 0 = off)");
       sub.add_option("--device-mem", a->device_mem, "Device budget per rank, e.g. 2G");
       sub.add_option("--host-mem", a->host_mem, "Pinned host budget per rank, e.g. 4G");
       sub.add_option("--grad-accum", a->grad_accum, "Micro-steps per step (default 1)");
