@@ -603,13 +603,8 @@ UnitScope& UnitScope::operator=(UnitScope&& o) noexcept {
   return *this;
 }
 
-UnitScope::~UnitScope() {
-  if (engine_ == nullptr) return;
-  Status s = finish();
-  if (!s.is_ok() && engine_ == nullptr) {
-    // Recorded by finish(); reported by the next gather() or step().
-  }
-}
+// A failure at scope end is recorded by finish() and reported by the next gather() or step().
+UnitScope::~UnitScope() { (void)finish(); }
 
 const zero::ShardLayout& UnitScope::layout() const { return engine_->layout(unit_); }
 
@@ -618,9 +613,7 @@ void* UnitScope::grads() { return engine_->scope_grads(*this); }
 Status UnitScope::finish() {
   if (engine_ == nullptr) return Status::ok();
   Engine* e = std::exchange(engine_, nullptr);
-  engine_ = e;
   Status s = e->end_scope(*this);
-  engine_ = nullptr;
   if (!s.is_ok() && e->impl_->sticky.is_ok()) e->impl_->sticky = s;
   return s;
 }
