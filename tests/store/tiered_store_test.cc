@@ -139,6 +139,26 @@ TEST_F(StoreTest, DirtyCopiesAreWrittenBackAndServedFromEveryTier) {
   EXPECT_EQ(store_->evict(id, Tier::kNvme).code(), ErrorCode::kInvalidArgument);
 }
 
+TEST_F(StoreTest, OverwriteAccessFetchesNothing) {
+  build();
+  TensorId id = make("grad_acc", 2 << 20, Tier::kNvme);
+  write(id, Tier::kHost, 3);
+  ASSERT_TRUE(store_->evict(id, Tier::kHost).is_ok());
+  uint64_t read_before = store_->stats().bytes_nvme_read;
+  {
+    auto h = store_->acquire(id, Tier::kDevice, Access::kOverwrite);
+    ASSERT_TRUE(h.is_ok()) << h.status().to_string();
+    Residency r = store_->residency(id);
+    EXPECT_TRUE(r.valid[0]);
+    EXPECT_FALSE(r.valid[2]);  // the NVMe copy is stale from now on
+    fill(h->data(), h->bytes(), 4);
+    h->mark_dirty();
+  }
+  EXPECT_EQ(store_->stats().bytes_nvme_read, read_before);  // nothing was fetched
+  ASSERT_TRUE(store_->evict(id, Tier::kDevice).is_ok());
+  expect(id, Tier::kHost, 4);
+}
+
 TEST_F(StoreTest, TensorsLargerThanStagingMoveInPieces) {
   build({.device_budget = 16 << 20, .staging = 1 << 20});
   TensorId id = make("big", (5 << 20) + 12345, Tier::kNvme);

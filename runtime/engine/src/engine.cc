@@ -23,6 +23,17 @@ std::string unit_tensor_name(const zero::UnitSpec& u, const char* what) {
   return fmt::format("{}.{}", u.name, what);
 }
 
+// dst[i] = 0.0f + (float)src[i]: the first accumulation into a zero accumulator, without reading
+// it (the same bits as adding to +0).
+void accumulate_first(float* dst, const void* src, DType dtype, uint64_t n) {
+  for (uint64_t i = 0; i < n; ++i) {
+    float v = dtype == DType::kF32    ? static_cast<const float*>(src)[i]
+              : dtype == DType::kBF16 ? bf16_to_f32(static_cast<const uint16_t*>(src)[i])
+                                      : f16_to_f32(static_cast<const uint16_t*>(src)[i]);
+    dst[i] = 0.0f + v;
+  }
+}
+
 // dst[i] += (float)src[i] for a working-dtype source.
 void accumulate(float* dst, const void* src, DType dtype, uint64_t n) {
   switch (dtype) {
@@ -81,6 +92,9 @@ struct Engine::Impl {
     TensorId master = kNoTensor;            // fp32 master when mixed: full (stage 0) or shard
     TensorId m = kNoTensor, v = kNoTensor;  // fp32: full (stage 0) or shard
     TensorId grad_acc = kNoTensor;          // fp32: full (stages 0-1) or shard (2-3)
+    // The accumulator holds zeros in this rank's range (without its bytes having been written:
+    // zeroing is lazy, so an offloaded accumulator is not read and written just to clear it).
+    bool acc_zero = true;
   };
   std::vector<UnitState> unit_states;
 
@@ -310,14 +324,20 @@ struct Engine::Impl {
     }
     UnitState& st = unit_states[p.unit];
     ZINF_CHECK(device->host_addressable(), "gradient accumulation from device memory needs a copy");
-    ZINF_ASSIGN_OR_RETURN(TensorHandle acc, store->acquire(st.grad_acc, compute_tier()));
+    // The first micro-step overwrites the (lazily zero) accumulator without fetching it; in stage
+    // 1 the bytes outside this rank's range are then unspecified, and never read.
+    const Access access = st.acc_zero ? Access::kOverwrite : Access::kRead;
+    ZINF_ASSIGN_OR_RETURN(TensorHandle acc, store->acquire(st.grad_acc, compute_tier(), access));
     auto* a = static_cast<float*>(acc.data());
     uint64_t begin = owned_begin(st), end = owned_end(st);
-    if (s.stage == 0) {
-      accumulate(a, p.grads.data(), s.dtype, end - begin);
+    const void* reduced = s.stage == 0 ? p.grads.data() : p.shard.data();
+    float* into = s.stage == 0 ? a : a + acc_index(st, begin);
+    if (st.acc_zero) {
+      accumulate_first(into, reduced, s.dtype, end - begin);
     } else {
-      accumulate(a + acc_index(st, begin), p.shard.data(), s.dtype, end - begin);
+      accumulate(into, reduced, s.dtype, end - begin);
     }
+    st.acc_zero = false;
     acc.mark_dirty();
     return Status::ok();
   }
@@ -372,11 +392,21 @@ struct Engine::Impl {
     return out;
   }
 
+  // After a step the accumulators are zero; the bytes are written only when needed.
   Status zero_gradients() {
+    for (UnitState& st : unit_states) st.acc_zero = true;
+    return Status::ok();
+  }
+
+  // Writes the zeros of accumulators that received no gradient this step (before they are read).
+  Status materialise_zero_accumulators() {
     for (UnitState& st : unit_states) {
-      ZINF_ASSIGN_OR_RETURN(TensorHandle acc, store->acquire(st.grad_acc, compute_tier()));
+      if (!st.acc_zero) continue;
+      ZINF_ASSIGN_OR_RETURN(TensorHandle acc,
+                            store->acquire(st.grad_acc, compute_tier(), Access::kOverwrite));
       std::memset(acc.data(), 0, acc.bytes());
       acc.mark_dirty();
+      st.acc_zero = false;
     }
     return Status::ok();
   }
@@ -394,6 +424,7 @@ struct Engine::Impl {
     }
     trace_pos = 0;
     ZINF_RETURN_IF_ERROR(finish_evictions());
+    ZINF_RETURN_IF_ERROR(materialise_zero_accumulators());
     // Gradients are averaged over ranks by the reduction; here over micro-steps and the loss scale.
     const float combined =
         static_cast<float>(1.0 / (static_cast<double>(s.gradient_accumulation_steps) * scale));

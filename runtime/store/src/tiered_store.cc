@@ -659,7 +659,7 @@ void TieredTensorStore::prefetch(TensorId id, Tier tier) {
   s.start_move(id, tier);
 }
 
-Result<TensorHandle> TieredTensorStore::acquire(TensorId id, Tier tier) {
+Result<TensorHandle> TieredTensorStore::acquire(TensorId id, Tier tier, Access access) {
   Impl& s = *impl_;
   std::unique_lock lk(s.mu);
   if (s.get(id) == nullptr) return make_error(ErrorCode::kNotFound, "tensor {} does not exist", id);
@@ -671,6 +671,21 @@ Result<TensorHandle> TieredTensorStore::acquire(TensorId id, Tier tier) {
   while (true) {
     Tensor* t = s.get(id);
     Copy& c = t->copies[idx(tier)];
+    if (access == Access::kOverwrite && !c.valid) {
+      if (c.incoming || c.writing_back) {  // let what is in flight land first
+        auto job = c.incoming;
+        s.cv.wait(lk, [&] { return !c.writing_back && (!job || job->done); });
+        continue;
+      }
+      if (!c.allocated) {
+        ZINF_RETURN_IF_ERROR(s.make_copy_storage(lk, id, tier));
+        continue;  // the lock was released: look again
+      }
+      // Nothing to fetch: this copy becomes the current contents (the caller overwrites it).
+      ++t->version;
+      for (int k = 0; k < kNumTiers; ++k) t->copies[k].valid = false;
+      c.valid = true;
+    }
     if (c.valid && !c.incoming) {
       ++c.pins;
       c.last_use = ++s.clock;

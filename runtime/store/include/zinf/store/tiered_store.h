@@ -38,6 +38,13 @@ namespace zinf {
 
 using TensorId = uint32_t;
 
+// What the caller of acquire() will do with the bytes.
+enum class Access : uint8_t {
+  kRead,       // read (and maybe modify): the copy must hold the current contents
+  kOverwrite,  // overwrite every byte: no need to fetch the old contents (the copy becomes the
+               // only valid one at once, as after mark_dirty)
+};
+
 struct TensorSpec {
   std::string name;  // appears in every error about this tensor
   uint64_t bytes = 0;
@@ -119,7 +126,7 @@ class TieredTensorStore {
                                        const std::string& what);
 
   void prefetch(TensorId id, Tier tier);
-  Result<TensorHandle> acquire(TensorId id, Tier tier);
+  Result<TensorHandle> acquire(TensorId id, Tier tier, Access access = Access::kRead);
   // Drops the copy in `tier` (not the home), writing it back first when it is the only valid one.
   Status evict(TensorId id, Tier tier);
   // evict() on a mover thread, for copies that are neither pinned nor being filled (others are
