@@ -69,6 +69,31 @@ TEST(Offload, EveryModeIsBitIdenticalToNoOffload) {
 namespace zinf {
 namespace {
 
+// Partial offload (Twin-Flow ratio): some units' optimizer state on the host, the rest on the
+// device; same bits.
+TEST(Offload, PartialRatioSplitsTheOptimizerAndKeepsTheBits) {
+  testing::MlpShape shape{.dims = {32, 256, 256, 256, 8}};
+  for (int stage : {1, 3}) {
+    EngineSettings s;
+    s.stage = stage;
+    s.adam.lr = 0.01f;
+    s.gradient_clipping = 0.5f;
+    RunResult reference = train_local(s, 2, 3, 2, shape);
+    ASSERT_TRUE(reference.status.is_ok());
+    EngineSettings p = s;
+    p.optimizer_home = Tier::kHost;
+    p.optimizer_offload_ratio = 0.5;
+    RunResult r = train_local(p, 2, 3, 2, shape);
+    ASSERT_TRUE(r.status.is_ok()) << r.status.to_string();
+    EXPECT_TRUE(same_bits(reference, r)) << "stage " << stage;
+    const auto& device = r.memory[0].tiers[static_cast<int>(Tier::kDevice)];
+    const auto& host = r.memory[0].tiers[static_cast<int>(Tier::kHost)];
+    const int kOptimizer = static_cast<int>(MemoryCategory::kOptimizerStates);
+    EXPECT_GT(device.current_by_category[kOptimizer], 0u) << "stage " << stage;
+    EXPECT_GT(host.current_by_category[kOptimizer], 0u) << "stage " << stage;
+  }
+}
+
 TEST(Offload, BudgetsHoldWhileTheStateIsSeveralTimesLarger) {
   zinf::testing::TempDir nvme;
   testing::MlpShape shape{.dims = {64, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 8}};

@@ -95,6 +95,7 @@ struct Engine::Impl {
     // The accumulator holds zeros in this rank's range (without its bytes having been written:
     // zeroing is lazy, so an offloaded accumulator is not read and written just to clear it).
     bool acc_zero = true;
+    Tier opt_home = Tier::kDevice;  // the optimizer's home for this unit (partial offload)
   };
   std::vector<UnitState> unit_states;
 
@@ -129,8 +130,10 @@ struct Engine::Impl {
     return *what ? fmt::format("rank{} {}", rank, what) : fmt::format("rank{}", rank);
   }
 
-  Tier compute_tier() const {
-    return s.optimizer_home == Tier::kDevice ? Tier::kDevice : Tier::kHost;
+  // Where unit u's optimizer state lives and where its update runs (device, or the CPU for
+  // state offloaded to host memory or NVMe).
+  Tier compute_tier(const struct UnitState& st) const {
+    return st.opt_home == Tier::kDevice ? Tier::kDevice : Tier::kHost;
   }
   uint64_t owned_begin(const UnitState& u) const {
     return s.stage == 0 ? 0 : u.layout.shard_begin(rank);
@@ -205,9 +208,31 @@ struct Engine::Impl {
     hysteresis_left = s.hysteresis;
 
     const uint64_t wsize = dtype_size(s.dtype);
+    // Partial offload (DeepSpeed's Twin-Flow `ratio`): the first units, in declaration order,
+    // holding about `ratio` of the parameters have their optimizer state offloaded; the others
+    // keep it on the device and are updated there.
+    if (!(s.optimizer_offload_ratio > 0 && s.optimizer_offload_ratio <= 1)) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "offload_optimizer.ratio must be in (0, 1], got {}",
+                        s.optimizer_offload_ratio);
+    }
+    uint64_t total_numel = 0, offloaded_numel = 0;
+    std::vector<zero::ShardLayout> layouts;
+    for (const auto& unit : units) {
+      ZINF_ASSIGN_OR_RETURN(zero::ShardLayout l, zero::make_shard_layout(unit, world, s.dtype));
+      total_numel += l.numel;
+      layouts.push_back(std::move(l));
+    }
     for (size_t u = 0; u < units.size(); ++u) {
       UnitState st;
-      ZINF_ASSIGN_OR_RETURN(st.layout, zero::make_shard_layout(units[u], world, s.dtype));
+      st.layout = layouts[u];
+      st.opt_home = Tier::kDevice;
+      if (s.optimizer_home != Tier::kDevice &&
+          static_cast<double>(offloaded_numel) + st.layout.numel / 2.0 <=
+              s.optimizer_offload_ratio * static_cast<double>(total_numel)) {
+        st.opt_home = s.optimizer_home;
+        offloaded_numel += st.layout.numel;
+      }
       const uint64_t full = st.layout.numel_padded, shard = st.layout.shard_numel;
       const uint64_t state_n = s.stage == 0 ? full : shard;
       ZINF_ASSIGN_OR_RETURN(st.params,
@@ -215,18 +240,18 @@ struct Engine::Impl {
                                         s.param_home, MemoryCategory::kParameters));
       if (mixed) {
         ZINF_ASSIGN_OR_RETURN(st.master,
-                              make_tensor(units[u], "master", state_n * 4, s.optimizer_home,
+                              make_tensor(units[u], "master", state_n * 4, st.opt_home,
                                           MemoryCategory::kOptimizerStates));
       }
-      ZINF_ASSIGN_OR_RETURN(st.m, make_tensor(units[u], "adam_m", state_n * 4, s.optimizer_home,
+      ZINF_ASSIGN_OR_RETURN(st.m, make_tensor(units[u], "adam_m", state_n * 4, st.opt_home,
                                               MemoryCategory::kOptimizerStates));
-      ZINF_ASSIGN_OR_RETURN(st.v, make_tensor(units[u], "adam_v", state_n * 4, s.optimizer_home,
+      ZINF_ASSIGN_OR_RETURN(st.v, make_tensor(units[u], "adam_v", state_n * 4, st.opt_home,
                                               MemoryCategory::kOptimizerStates));
       // The fp32 gradient shard lives with the optimizer state (device, host or NVMe), so that
       // with NVMe offload no training state is bound to memory (the host budget caches it).
       ZINF_ASSIGN_OR_RETURN(st.grad_acc,
                             make_tensor(units[u], "grad_acc", (s.stage <= 1 ? full : shard) * 4,
-                                        s.optimizer_home, MemoryCategory::kGradients));
+                                        st.opt_home, MemoryCategory::kGradients));
       unit_states.push_back(std::move(st));
       ZINF_RETURN_IF_ERROR(initialise(u));
     }
@@ -260,9 +285,9 @@ struct Engine::Impl {
       { ZINF_ASSIGN_OR_RETURN(TensorHandle d, store->acquire(st.params, Tier::kDevice)); }
       ZINF_RETURN_IF_ERROR(store->evict(st.params, Tier::kHost));
     }
-    if (mixed && s.optimizer_home != Tier::kHost) {
+    if (mixed && st.opt_home != Tier::kHost) {
       ZINF_RETURN_IF_ERROR(store->flush(st.master));
-      if (s.optimizer_home == Tier::kNvme)
+      if (st.opt_home == Tier::kNvme)
         ZINF_RETURN_IF_ERROR(store->evict(st.master, Tier::kHost));
     }
     return Status::ok();
@@ -327,7 +352,7 @@ struct Engine::Impl {
     // The first micro-step overwrites the (lazily zero) accumulator without fetching it; in stage
     // 1 the bytes outside this rank's range are then unspecified, and never read.
     const Access access = st.acc_zero ? Access::kOverwrite : Access::kRead;
-    ZINF_ASSIGN_OR_RETURN(TensorHandle acc, store->acquire(st.grad_acc, compute_tier(), access));
+    ZINF_ASSIGN_OR_RETURN(TensorHandle acc, store->acquire(st.grad_acc, compute_tier(st), access));
     auto* a = static_cast<float*>(acc.data());
     uint64_t begin = owned_begin(st), end = owned_end(st);
     const void* reduced = s.stage == 0 ? p.grads.data() : p.shard.data();
@@ -354,7 +379,7 @@ struct Engine::Impl {
   Result<double> partial_sum_squares(int range_rank, float scale_factor) {
     double total = 0;
     for (UnitState& st : unit_states) {
-      ZINF_ASSIGN_OR_RETURN(TensorHandle acc, store->acquire(st.grad_acc, compute_tier()));
+      ZINF_ASSIGN_OR_RETURN(TensorHandle acc, store->acquire(st.grad_acc, compute_tier(st)));
       uint64_t begin = st.layout.shard_begin(range_rank);
       const float* a = static_cast<const float*>(acc.data()) + acc_index(st, begin);
       total += kernels::grad_sum_squares(a, DType::kF32, st.layout.shard_numel, scale_factor,
@@ -365,7 +390,7 @@ struct Engine::Impl {
 
   Result<bool> local_overflow() {
     for (UnitState& st : unit_states) {
-      ZINF_ASSIGN_OR_RETURN(TensorHandle acc, store->acquire(st.grad_acc, compute_tier()));
+      ZINF_ASSIGN_OR_RETURN(TensorHandle acc, store->acquire(st.grad_acc, compute_tier(st)));
       const float* a = static_cast<const float*>(acc.data()) + acc_index(st, owned_begin(st));
       if (kernels::grad_has_nonfinite(a, DType::kF32, owned_end(st) - owned_begin(st),
                                       s.optimizer_threads)) {
@@ -403,7 +428,7 @@ struct Engine::Impl {
     for (UnitState& st : unit_states) {
       if (!st.acc_zero) continue;
       ZINF_ASSIGN_OR_RETURN(TensorHandle acc,
-                            store->acquire(st.grad_acc, compute_tier(), Access::kOverwrite));
+                            store->acquire(st.grad_acc, compute_tier(st), Access::kOverwrite));
       std::memset(acc.data(), 0, acc.bytes());
       acc.mark_dirty();
       st.acc_zero = false;
@@ -540,7 +565,7 @@ struct Engine::Impl {
 
   Status update_unit(size_t u, const kernels::AdamStepArgs& args) {
     UnitState& st = unit_states[u];
-    const Tier tier = compute_tier();
+    const Tier tier = compute_tier(st);
     ZINF_ASSIGN_OR_RETURN(TensorHandle params, store->acquire(st.params, tier));
     TensorHandle master;
     if (mixed) {
@@ -577,10 +602,10 @@ struct Engine::Impl {
     v.release();
     acc.release();
     if (tier != Tier::kDevice) {
-      release_offloaded(st.grad_acc, s.optimizer_home, tier);
-      release_offloaded(st.m, s.optimizer_home, tier);
-      release_offloaded(st.v, s.optimizer_home, tier);
-      if (mixed) release_offloaded(st.master, s.optimizer_home, tier);
+      release_offloaded(st.grad_acc, st.opt_home, tier);
+      release_offloaded(st.m, st.opt_home, tier);
+      release_offloaded(st.v, st.opt_home, tier);
+      if (mixed) release_offloaded(st.master, st.opt_home, tier);
     }
     if (s.stage == 3) release_offloaded(st.params, s.param_home, tier);
     return Status::ok();
@@ -589,7 +614,7 @@ struct Engine::Impl {
   // Starts bringing unit u's optimizer state to where the update runs.
   void prefetch_optimizer(size_t u) {
     const UnitState& st = unit_states[u];
-    const Tier tier = compute_tier();
+    const Tier tier = compute_tier(st);
     for (TensorId id : {st.m, st.v, st.master, st.params, st.grad_acc}) {
       if (id != kNoTensor) store->prefetch(id, tier);
     }

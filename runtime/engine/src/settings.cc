@@ -2,7 +2,6 @@
 
 #include <algorithm>
 
-#include "zinf/core/log.h"
 
 namespace zinf {
 namespace {
@@ -59,12 +58,7 @@ Result<EngineSettings> settings_from_config(const config::Config& c) {
   s.io_queue_depth = static_cast<uint32_t>(std::max(c.aio.queue_depth, 1));
   s.io_block_size = c.aio.block_size;
   s.io_rings = static_cast<uint32_t>(std::max(c.aio.intra_op_parallelism, 1));
-  if (c.zero.offload_optimizer.ratio < 1.0) {
-    log::warn(
-        "zero_optimization.offload_optimizer.ratio = {} is accepted but partial offload is "
-        "not implemented yet: the whole optimizer state is offloaded",
-        c.zero.offload_optimizer.ratio);
-  }
+  s.optimizer_offload_ratio = c.zero.offload_optimizer.ratio;
   return s;
 }
 

@@ -64,6 +64,7 @@ struct EngineSettings {
   // Placement: where parameters and optimizer state live (the offload work sets these).
   Tier param_home = Tier::kDevice;
   Tier optimizer_home = Tier::kDevice;
+  double optimizer_offload_ratio = 1.0;  // share of parameters whose optimizer state is offloaded
   std::vector<std::string> nvme_paths;
   uint64_t device_mem = 0;              // device budget in bytes; 0 = unlimited
   uint64_t host_mem = 0;                // pinned-host budget in bytes; 0 = unlimited
