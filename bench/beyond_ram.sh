@@ -26,7 +26,7 @@ fi
 
 "$ZINF" train --model "$PRESET" --ranks 1 --stage 3 --offload-param nvme --offload-optimizer nvme \
   --nvme-path "$DIR" --device-mem "$BUDGET" --host-mem "$BUDGET" --batch 1 --seq "$SEQ" \
-  --steps 2 --lr 1e-4 --log-json "$LOG"
+  --steps 2 --lr 1e-5 --log-json "$LOG"
 
 python3 - "$LOG" "$state" "$params" <<'PY'
 import json, sys
