@@ -353,9 +353,15 @@ class IoEngine::Ring {
         take_incoming();
         fill();
       }
-      if (idle()) {
+      {
         std::lock_guard lock(mu_);
-        if (stopping_ && incoming_.empty()) break;
+        if (idle() && stopping_ && incoming_.empty()) break;
+        // A callback run by fill() may have enqueued to this ring without a wake-up (it is this
+        // thread): never block with requests waiting in incoming_.
+        if (!incoming_.empty()) {
+          io_uring_submit(&ring_);
+          continue;
+        }
       }
       int rc = io_uring_submit_and_wait(&ring_, 1);
       if (rc < 0 && rc != -EINTR && rc != -EAGAIN && rc != -EBUSY) {

@@ -285,6 +285,34 @@ TEST_F(IoEngineTest, CallbacksMayResubmit) {
   EXPECT_EQ(e->stats().requests_completed, 100u);
 }
 
+// With one chunk slot, a request completes from inside the ring's fill step; a resubmission from
+// that callback must still be picked up (no lost wake-up).
+TEST_F(IoEngineTest, ResubmitFromCompletionWithQueueDepthOne) {
+  auto e = engine({.queue_depth = 1, .rings = 1});
+  File f = open_file("qd1.bin", 1 << 20);
+  AlignedBuffer b(4096);
+  std::memset(b.data(), 0x11, b.size());
+  std::atomic<int> remaining{50};
+  std::promise<void> finished;
+  std::function<void(Status)> next = [&](Status s) {
+    EXPECT_TRUE(s.is_ok());
+    if (--remaining == 0) {
+      finished.set_value();
+      return;
+    }
+    EXPECT_TRUE(e->submit(IoRequest{.op = IoOp::kWrite, .file = &f, .buffer = b.data(),
+                                    .length = 4096},
+                          next)
+                    .is_ok());
+  };
+  ASSERT_TRUE(
+      e->submit(IoRequest{.op = IoOp::kWrite, .file = &f, .buffer = b.data(), .length = 4096}, next)
+          .is_ok());
+  ASSERT_EQ(finished.get_future().wait_for(std::chrono::seconds(20)), std::future_status::ready)
+      << "the ring stopped picking up resubmitted requests";
+  e->drain();
+}
+
 TEST(IoEngineOptionsTest, BadOptionsAreRefused) {
   EXPECT_FALSE(IoEngine::create({.queue_depth = 0}).is_ok());
   EXPECT_FALSE(IoEngine::create({.block_size = 0}).is_ok());

@@ -680,7 +680,15 @@ Engine::Engine(const EngineSettings& settings, std::unique_ptr<Impl> impl)
     : settings_(settings), impl_(std::move(impl)) {}
 
 Engine::~Engine() {
-  if (impl_) (void)impl_->drain_pending();
+  if (!impl_) return;
+  (void)impl_->drain_pending();
+  // After a failure some reductions may still be in flight: their buffers belong to the
+  // communicator until their Work completes.
+  for (auto& p : impl_->pending) {
+    for (auto& w : p.works) (void)w.wait();
+  }
+  impl_->pending.clear();
+  (void)impl_->finish_evictions();
 }
 
 Result<std::unique_ptr<Engine>> Engine::create(const EngineSettings& settings,

@@ -42,6 +42,7 @@ struct Tensor {
   io::ExtentId extent = 0;
   Copy copies[kNumTiers];
   uint64_t next_use = kUnknownUse;
+  bool creating = false;  // published while its home storage is being placed: not usable yet
 };
 
 // A staging pair and a copy stream: what one transfer needs.
@@ -171,41 +172,30 @@ struct TieredTensorStore::Impl {
     return first_error;
   }
 
-  // K-buffered: copies out of the device of pieces i+1.. overlap the NVMe writes of earlier ones.
+  // K-buffered: up to K NVMe writes in flight; piece i is copied out of the device into buffer
+  // i % K once the write of piece i - K (the buffer's last user) has finished.
   Status device_to_nvme(Lane& lane, const void* src, io::ExtentId extent, uint64_t bytes) {
     const uint64_t piece = o.staging_bytes;
     const uint64_t n = (bytes + piece - 1) / piece;
     const uint64_t k = lane.staging.size();
     std::vector<std::future<Status>> writes(n);
-    std::vector<Event> ready(n);
-    uint64_t next_copy = 0;
     Status first_error;
     auto note = [&](Status s) {
       if (first_error.is_ok() && !s.is_ok()) first_error = std::move(s);
     };
-    // Copies out up to piece `limit`; piece j reuses buffer j % k once write j - k is done.
-    auto refill = [&](uint64_t limit) {
-      while (first_error.is_ok() && next_copy < n && next_copy <= limit) {
-        if (next_copy >= k && writes[next_copy - k].valid()) note(writes[next_copy - k].get());
-        if (!first_error.is_ok()) return;
-        uint64_t len = std::min(piece, bytes - next_copy * piece);
-        o.device->copy_async(lane.staging[next_copy % k].data(),
-                             static_cast<const char*>(src) + next_copy * piece, len, *lane.stream);
-        ready[next_copy] = lane.stream->record();
-        ++next_copy;
-      }
-    };
-    refill(k - 1);
     for (uint64_t i = 0; i < n && first_error.is_ok(); ++i) {
-      note(ready[i].wait());
+      if (i >= k) note(writes[i - k].get());
+      if (!first_error.is_ok()) break;
+      uint64_t len = std::min(piece, bytes - i * piece);
+      o.device->copy_async(lane.staging[i % k].data(), static_cast<const char*>(src) + i * piece,
+                           len, *lane.stream);
+      note(lane.stream->record().wait());
       if (!first_error.is_ok()) break;
       auto p = std::make_shared<std::promise<Status>>();
       writes[i] = p->get_future();
-      uint64_t len = std::min(piece, bytes - i * piece);
       Status s = o.swap->write_range_async(extent, i * piece, len, lane.staging[i % k].data(),
                                            [p](Status st) { p->set_value(std::move(st)); });
       if (!s.is_ok()) p->set_value(std::move(s));
-      refill(i + k);
     }
     for (auto& w : writes) {
       if (w.valid()) note(w.get());
@@ -275,6 +265,9 @@ struct TieredTensorStore::Impl {
       if (t == nullptr || t->spec.home == tier) continue;
       const Copy& c = t->copies[idx(tier)];
       if (!c.allocated || c.pins > 0 || c.incoming || c.writing_back) continue;
+      // A dirty copy's write-back would wait for a move into its home that may be queued behind
+      // the mover doing this eviction: leave such copies alone.
+      if (t->copies[idx(t->spec.home)].incoming) continue;
       bool dirty = only_valid_copy(*t, tier);
       // Smaller key = better victim.
       auto key = std::make_tuple(dirty, kUnknownUse - t->next_use, c.last_use);
@@ -406,7 +399,8 @@ struct TieredTensorStore::Impl {
     lk.lock();
     --sc.pins;
     if (!s.is_ok()) {
-      if (dst != t->spec.home) free_copy(*t, dst);
+      // Give the memory back, unless someone pinned the copy meanwhile (and maybe wrote it).
+      if (dst != t->spec.home && d.pins == 0 && !d.valid) free_copy(*t, dst);
       return std::move(s).with_context(fmt::format("moving tensor {} from {} to {}", t->spec.name,
                                                    tier_name(src), tier_name(dst)));
     }
@@ -598,6 +592,7 @@ Result<TensorId> TieredTensorStore::create_tensor(const TensorSpec& spec) {
   // The home copy is placed like any copy (evicting others' cached copies if needed).
   std::unique_lock lk(s.mu);
   TensorId id = static_cast<TensorId>(s.tensors.size());
+  t->creating = true;
   s.tensors.push_back(std::move(t));
   Status st = s.make_copy_storage(lk, id, spec.home);
   if (!st.is_ok()) {
@@ -607,6 +602,7 @@ Result<TensorId> TieredTensorStore::create_tensor(const TensorSpec& spec) {
   Tensor* placed = s.get(id);
   std::memset(placed->copies[idx(spec.home)].ptr, 0, placed->padded);
   placed->copies[idx(spec.home)].valid = true;
+  placed->creating = false;
   return id;
 }
 
@@ -655,14 +651,16 @@ void TieredTensorStore::prefetch(TensorId id, Tier tier) {
   Impl& s = *impl_;
   if (tier == Tier::kNvme) return;
   std::lock_guard lk(s.mu);
-  if (s.get(id) == nullptr) return;
+  if (s.get(id) == nullptr || s.get(id)->creating) return;
   s.start_move(id, tier);
 }
 
 Result<TensorHandle> TieredTensorStore::acquire(TensorId id, Tier tier, Access access) {
   Impl& s = *impl_;
   std::unique_lock lk(s.mu);
-  if (s.get(id) == nullptr) return make_error(ErrorCode::kNotFound, "tensor {} does not exist", id);
+  if (s.get(id) == nullptr || s.get(id)->creating) {
+    return make_error(ErrorCode::kNotFound, "tensor {} does not exist", id);
+  }
   if (tier == Tier::kNvme) {
     return make_error(ErrorCode::kInvalidArgument,
                       "tensor {}: acquire() gives memory on the device or host tier, not NVMe",
@@ -682,9 +680,14 @@ Result<TensorHandle> TieredTensorStore::acquire(TensorId id, Tier tier, Access a
         continue;  // the lock was released: look again
       }
       // Nothing to fetch: this copy becomes the current contents (the caller overwrites it).
-      ++t->version;
-      for (int k = 0; k < kNumTiers; ++k) t->copies[k].valid = false;
       c.valid = true;
+    }
+    if (access == Access::kOverwrite && c.valid && !c.incoming) {
+      // The other copies are stale from now on, as after mark_dirty().
+      ++t->version;
+      for (int k = 0; k < kNumTiers; ++k) {
+        if (k != idx(tier)) t->copies[k].valid = false;
+      }
     }
     if (c.valid && !c.incoming) {
       ++c.pins;
@@ -746,7 +749,8 @@ std::shared_future<Status> TieredTensorStore::evict_async(TensorId id, Tier tier
       }
       const Copy& c = t->copies[idx(tier)];
       // Never wait here: a mover waiting for a move queued behind it would deadlock.
-      if (!c.allocated || c.pins > 0 || c.incoming || c.writing_back) {
+      if (!c.allocated || c.pins > 0 || c.incoming || c.writing_back ||
+          t->copies[idx(t->spec.home)].incoming || t->creating) {
         promise->set_value(Status::ok());
         return;
       }
@@ -762,7 +766,12 @@ Status TieredTensorStore::flush(TensorId id) {
   std::unique_lock lk(s.mu);
   Tensor* t = s.get(id);
   if (t == nullptr) return make_error(ErrorCode::kNotFound, "tensor {} does not exist", id);
+  if (t->creating) return Status::ok();  // nothing written yet: nothing to flush
   while (!t->copies[idx(t->spec.home)].valid) {
+    if (!t->copies[idx(Tier::kHost)].valid && !t->copies[idx(Tier::kDevice)].valid) {
+      return make_error(ErrorCode::kInternal, "tensor {} has no valid copy to flush",
+                        t->spec.name);
+    }
     Tier from = t->copies[idx(Tier::kHost)].valid ? Tier::kHost : Tier::kDevice;
     ZINF_RETURN_IF_ERROR(s.write_back(lk, id, from));
     t = s.get(id);
