@@ -25,7 +25,9 @@ Registration::Registration(const char* group, const char* name, const char* desc
 
 void build_commands(CLI::App& app) {
   static const std::map<std::string, std::string> kGroupHelp = {
-      {"bench", "Measure a component against its yardstick (I/O vs fio, Adam vs memory bandwidth)"},
+      {"bench",
+       "Measure a component against its yardstick (io vs fio, store vs io, adam vs memory "
+       "bandwidth, comm as nccl-tests)"},
   };
   std::map<std::string, CLI::App*> groups;
   for (auto& e : registry()) {
