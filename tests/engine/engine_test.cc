@@ -167,6 +167,25 @@ TEST(Engine, CommunicationMatchesTheZeroVolumes) {
   }
 }
 
+// stage3_param_persistence_threshold: small units stay gathered, all-gathered once per step
+// (after the update) instead of at every use; the bits do not change.
+TEST(Engine, PersistentUnitsAreGatheredOncePerStep) {
+  MlpShape shape;
+  const int world = 2;
+  uint64_t P = 0;
+  for (auto& u : testing::mlp_units(shape)) {
+    P += zero::make_shard_layout(u, world, DType::kF32)->numel_padded;
+  }
+  RunResult plain = train_local(base(3), world, 3, 2, shape);
+  EngineSettings s = base(3);
+  s.param_persistence_threshold = 1'000'000;  // every unit of the test model
+  RunResult persistent = train_local(s, world, 3, 2, shape);
+  ASSERT_TRUE(plain.status.is_ok() && persistent.status.is_ok());
+  EXPECT_TRUE(bit_equal(plain, persistent));
+  EXPECT_EQ(plain.comm[0].param_gather_elements, 2 * P);       // forward and backward
+  EXPECT_EQ(persistent.comm[0].param_gather_elements, P);      // once per step
+}
+
 TEST(Engine, Fp16OverflowSkipsTheStepAndLowersTheScale) {
   EngineSettings s = base(2);
   s.dtype = DType::kF16;

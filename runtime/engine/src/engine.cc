@@ -96,6 +96,11 @@ struct Engine::Impl {
     // zeroing is lazy, so an offloaded accumulator is not read and written just to clear it).
     bool acc_zero = true;
     Tier opt_home = Tier::kDevice;  // the optimizer's home for this unit (partial offload)
+    // Stage 3, units of at most stage3_param_persistence_threshold elements: the gathered
+    // parameters stay on the device, all-gathered once per step (after each update).
+    bool persistent = false;
+    DeviceBuffer gathered;
+    int64_t gathered_at_step = -1;
   };
   std::vector<UnitState> unit_states;
 
@@ -226,6 +231,7 @@ struct Engine::Impl {
     for (size_t u = 0; u < units.size(); ++u) {
       UnitState st;
       st.layout = layouts[u];
+      st.persistent = s.stage == 3 && st.layout.numel <= s.param_persistence_threshold;
       st.opt_home = Tier::kDevice;
       if (s.optimizer_home != Tier::kDevice &&
           static_cast<double>(offloaded_numel) + st.layout.numel / 2.0 <=
@@ -717,6 +723,11 @@ Result<UnitScope> Engine::gather(size_t unit) {
   scope.engine_ = this;
   scope.unit_ = unit;
   scope.opened_ = trace::Clock::now();
+  if (st.persistent && st.gathered && st.gathered_at_step == s.steps) {
+    // Gathered earlier in this step and kept (stage3_param_persistence_threshold).
+    scope.params_ = st.gathered.data();
+    return scope;
+  }
   ZINF_ASSIGN_OR_RETURN(TensorHandle h, s.store->acquire(st.params, Tier::kDevice));
   if (s.s.stage < 3) {
     scope.params_ = h.data();
@@ -724,13 +735,17 @@ Result<UnitScope> Engine::gather(size_t unit) {
     return scope;
   }
   const uint64_t wsize = dtype_size(s.s.dtype);
-  auto full = s.store->allocate_device(st.layout.numel_padded * wsize, MemoryCategory::kParameters,
-                                       "gathered parameters of " + s.units[unit].name);
+  auto full = st.persistent && st.gathered
+                  ? Result<DeviceBuffer>(DeviceBuffer())
+                  : s.store->allocate_device(st.layout.numel_padded * wsize,
+                                             MemoryCategory::kParameters,
+                                             "gathered parameters of " + s.units[unit].name);
   if (!full.is_ok()) {
     scope.engine_ = nullptr;
     return std::move(full).take_status().with_context("gathering unit " + s.units[unit].name);
   }
-  comm::Work w = s.comm.all_gather(h.data(), full->data(), st.layout.shard_numel, s.s.dtype);
+  void* into = *full ? full->data() : st.gathered.data();
+  comm::Work w = s.comm.all_gather(h.data(), into, st.layout.shard_numel, s.s.dtype);
   s.comm_now.param_gather_elements += st.layout.numel_padded;
   Status ws;
   {
@@ -741,8 +756,14 @@ Result<UnitScope> Engine::gather(size_t unit) {
     scope.engine_ = nullptr;
     return std::move(ws).with_context("gathering unit " + s.units[unit].name);
   }
-  scope.gathered_ = std::move(full).value();
-  scope.params_ = scope.gathered_.data();
+  if (st.persistent) {
+    if (*full) st.gathered = std::move(full).value();
+    st.gathered_at_step = s.steps;
+    scope.params_ = st.gathered.data();
+  } else {
+    scope.gathered_ = std::move(full).value();
+    scope.params_ = scope.gathered_.data();
+  }
   h.release();
   s.release_offloaded(st.params, s.s.param_home, Tier::kDevice);
   return scope;

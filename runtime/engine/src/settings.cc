@@ -59,6 +59,7 @@ Result<EngineSettings> settings_from_config(const config::Config& c) {
   s.io_block_size = c.aio.block_size;
   s.io_rings = static_cast<uint32_t>(std::max(c.aio.intra_op_parallelism, 1));
   s.optimizer_offload_ratio = c.zero.offload_optimizer.ratio;
+  s.param_persistence_threshold = c.zero.stage3_param_persistence_threshold;
   return s;
 }
 

@@ -71,6 +71,9 @@ struct EngineSettings {
   uint64_t staging_bytes = 2ull << 20;  // NVMe <-> device staging piece (multiple of 1 MiB)
   uint32_t staging_buffers = 4;         // staging pieces in flight per move
   size_t prefetch_units = 2;            // stage 3 offload: units prefetched ahead along the trace
+  // Stage 3: units of at most this many parameters stay gathered on the device and are
+  // all-gathered once per step instead of at every use (stage3_param_persistence_threshold).
+  uint64_t param_persistence_threshold = 0;
   bool checksum = false;                // XXH3 per swapped 1 MiB block, verified on read
   uint32_t io_queue_depth = 32;         // aio.queue_depth
   uint64_t io_block_size = 1 << 20;     // aio.block_size
