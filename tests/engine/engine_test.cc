@@ -182,8 +182,8 @@ TEST(Engine, PersistentUnitsAreGatheredOncePerStep) {
   RunResult persistent = train_local(s, world, 3, 2, shape);
   ASSERT_TRUE(plain.status.is_ok() && persistent.status.is_ok());
   EXPECT_TRUE(bit_equal(plain, persistent));
-  EXPECT_EQ(plain.comm[0].param_gather_elements, 2 * P);       // forward and backward
-  EXPECT_EQ(persistent.comm[0].param_gather_elements, P);      // once per step
+  EXPECT_EQ(plain.comm[0].param_gather_elements, 2 * P);   // forward and backward
+  EXPECT_EQ(persistent.comm[0].param_gather_elements, P);  // once per step
 }
 
 TEST(Engine, Fp16OverflowSkipsTheStepAndLowersTheScale) {

@@ -300,10 +300,10 @@ TEST_F(IoEngineTest, ResubmitFromCompletionWithQueueDepthOne) {
       finished.set_value();
       return;
     }
-    EXPECT_TRUE(e->submit(IoRequest{.op = IoOp::kWrite, .file = &f, .buffer = b.data(),
-                                    .length = 4096},
-                          next)
-                    .is_ok());
+    EXPECT_TRUE(
+        e->submit(IoRequest{.op = IoOp::kWrite, .file = &f, .buffer = b.data(), .length = 4096},
+                  next)
+            .is_ok());
   };
   ASSERT_TRUE(
       e->submit(IoRequest{.op = IoOp::kWrite, .file = &f, .buffer = b.data(), .length = 4096}, next)

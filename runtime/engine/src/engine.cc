@@ -245,9 +245,8 @@ struct Engine::Impl {
                             make_tensor(units[u], "params", (s.stage == 3 ? shard : full) * wsize,
                                         s.param_home, MemoryCategory::kParameters));
       if (mixed) {
-        ZINF_ASSIGN_OR_RETURN(st.master,
-                              make_tensor(units[u], "master", state_n * 4, st.opt_home,
-                                          MemoryCategory::kOptimizerStates));
+        ZINF_ASSIGN_OR_RETURN(st.master, make_tensor(units[u], "master", state_n * 4, st.opt_home,
+                                                     MemoryCategory::kOptimizerStates));
       }
       ZINF_ASSIGN_OR_RETURN(st.m, make_tensor(units[u], "adam_m", state_n * 4, st.opt_home,
                                               MemoryCategory::kOptimizerStates));
@@ -293,8 +292,7 @@ struct Engine::Impl {
     }
     if (mixed && st.opt_home != Tier::kHost) {
       ZINF_RETURN_IF_ERROR(store->flush(st.master));
-      if (st.opt_home == Tier::kNvme)
-        ZINF_RETURN_IF_ERROR(store->evict(st.master, Tier::kHost));
+      if (st.opt_home == Tier::kNvme) ZINF_RETURN_IF_ERROR(store->evict(st.master, Tier::kHost));
     }
     return Status::ok();
   }
@@ -735,11 +733,11 @@ Result<UnitScope> Engine::gather(size_t unit) {
     return scope;
   }
   const uint64_t wsize = dtype_size(s.s.dtype);
-  auto full = st.persistent && st.gathered
-                  ? Result<DeviceBuffer>(DeviceBuffer())
-                  : s.store->allocate_device(st.layout.numel_padded * wsize,
-                                             MemoryCategory::kParameters,
-                                             "gathered parameters of " + s.units[unit].name);
+  auto full =
+      st.persistent && st.gathered
+          ? Result<DeviceBuffer>(DeviceBuffer())
+          : s.store->allocate_device(st.layout.numel_padded * wsize, MemoryCategory::kParameters,
+                                     "gathered parameters of " + s.units[unit].name);
   if (!full.is_ok()) {
     scope.engine_ = nullptr;
     return std::move(full).take_status().with_context("gathering unit " + s.units[unit].name);

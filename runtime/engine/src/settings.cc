@@ -2,7 +2,6 @@
 
 #include <algorithm>
 
-
 namespace zinf {
 namespace {
 

@@ -769,8 +769,7 @@ Status TieredTensorStore::flush(TensorId id) {
   if (t->creating) return Status::ok();  // nothing written yet: nothing to flush
   while (!t->copies[idx(t->spec.home)].valid) {
     if (!t->copies[idx(Tier::kHost)].valid && !t->copies[idx(Tier::kDevice)].valid) {
-      return make_error(ErrorCode::kInternal, "tensor {} has no valid copy to flush",
-                        t->spec.name);
+      return make_error(ErrorCode::kInternal, "tensor {} has no valid copy to flush", t->spec.name);
     }
     Tier from = t->copies[idx(Tier::kHost)].valid ? Tier::kHost : Tier::kDevice;
     ZINF_RETURN_IF_ERROR(s.write_back(lk, id, from));

@@ -74,11 +74,11 @@ struct EngineSettings {
   // Stage 3: units of at most this many parameters stay gathered on the device and are
   // all-gathered once per step instead of at every use (stage3_param_persistence_threshold).
   uint64_t param_persistence_threshold = 0;
-  bool checksum = false;                // XXH3 per swapped 1 MiB block, verified on read
-  uint32_t io_queue_depth = 32;         // aio.queue_depth
-  uint64_t io_block_size = 1 << 20;     // aio.block_size
-  uint32_t io_rings = 1;                // aio.intra_op_parallelism
-  int optimizer_threads = 0;            // CPU Adam threads; 0 = all
+  bool checksum = false;             // XXH3 per swapped 1 MiB block, verified on read
+  uint32_t io_queue_depth = 32;      // aio.queue_depth
+  uint64_t io_block_size = 1 << 20;  // aio.block_size
+  uint32_t io_rings = 1;             // aio.intra_op_parallelism
+  int optimizer_threads = 0;         // CPU Adam threads; 0 = all
   uint64_t seed = 0;
 };
 
