@@ -104,16 +104,8 @@ double seconds_of(Fn&& fn) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t h = v.size() / 2;
-  return v.size() % 2 ? v[h] : 0.5 * (v[h - 1] + v[h]);
-}
-
 void run(const Args& a) {
-  auto params = parse_bytes(a.params);
-  if (!params.is_ok()) throw CliError("--params: " + params.status().message(), 2);
-  const size_t n = *params;
+  const size_t n = bytes_flag("--params", a.params);
   if (n == 0) throw CliError("--params must be at least 1", 2);
   if (a.threads < 0) throw CliError("--threads must be >= 0 (0 = all cores)", 2);
   if (a.steps < 1) throw CliError("--steps must be at least 1", 2);

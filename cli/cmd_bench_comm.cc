@@ -102,8 +102,7 @@ void run(const Args& a, bool ranks_given) {
   auto dtype = parse_dtype(a.dtype);
   if (!dtype) throw CliError("--dtype must be fp32, bf16 or fp16, not '" + a.dtype + "'", 2);
   p.dtype = *dtype;
-  auto size = parse_bytes(a.size);
-  if (!size.is_ok()) throw CliError("--size: " + size.status().message(), 2);
+  const uint64_t size = bytes_flag("--size", a.size);
   if (a.iters < 1) throw CliError("--iters must be at least 1", 2);
   if (a.warmup < 0) throw CliError("--warmup must be >= 0", 2);
 
@@ -137,7 +136,7 @@ void run(const Args& a, bool ranks_given) {
   p.world = comms[0]->world_size();
 
   const size_t e = dtype_size(p.dtype);
-  const size_t elements = *size / e;
+  const size_t elements = size / e;
   p.count = p.op == CollectiveOp::kAllReduce ? elements : elements / p.world;
   p.size_bytes = (p.op == CollectiveOp::kAllReduce ? p.count : p.count * p.world) * e;
   if (p.count == 0) {

@@ -22,17 +22,11 @@ struct Args {
   bool no_fixed_buffers = false;
 };
 
-uint64_t bytes_arg(const std::string& flag, const std::string& text) {
-  auto r = parse_bytes(text);
-  if (!r.is_ok()) throw CliError(flag + ": " + r.status().message(), 2);
-  return *r;
-}
-
 void run(const Args& a) {
   io::IoBenchOptions o;
   o.directory = a.path;
-  o.size = bytes_arg("--size", a.size);
-  o.block_size = bytes_arg("--block-size", a.block_size);
+  o.size = bytes_flag("--size", a.size);
+  o.block_size = bytes_flag("--block-size", a.block_size);
   if (a.queue_depth <= 0) throw CliError("--queue-depth must be at least 1", 2);
   if (a.threads <= 0) throw CliError("--threads must be at least 1", 2);
   o.queue_depth = static_cast<uint32_t>(a.queue_depth);

@@ -23,17 +23,6 @@ struct Args {
   bool json = false;
 };
 
-uint64_t bytes_arg(const std::string& flag, const std::string& text) {
-  auto r = parse_bytes(text);
-  if (!r.is_ok()) throw CliError(flag + ": " + r.status().message(), 2);
-  return *r;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : v[v.size() / 2];
-}
-
 // Device -> NVMe: every tensor written on the device, then written back; bytes per second.
 Result<double> store_write_pass(TieredTensorStore& store, const std::vector<TensorId>& ids,
                                 uint64_t seed) {
@@ -68,9 +57,9 @@ Result<double> store_pass(TieredTensorStore& store, const std::vector<TensorId>&
 }
 
 void run(const Args& a) {
-  const uint64_t total = bytes_arg("--size", a.size);
-  const uint64_t tensor = bytes_arg("--tensor-size", a.tensor_size);
-  const uint64_t staging = bytes_arg("--staging", a.staging);
+  const uint64_t total = bytes_flag("--size", a.size);
+  const uint64_t tensor = bytes_flag("--tensor-size", a.tensor_size);
+  const uint64_t staging = bytes_flag("--staging", a.staging);
   if (tensor == 0 || total < tensor) throw CliError("--tensor-size must be 1..--size", 2);
   if (staging == 0 || staging % (1 << 20) != 0) {
     throw CliError("--staging must be a positive multiple of 1M", 2);

@@ -57,12 +57,6 @@ Tier parse_offload(const std::string& flag, const std::string& v) {
   throw CliError(flag + " must be none, cpu or nvme, got '" + v + "'", 2);
 }
 
-uint64_t bytes_arg(const std::string& flag, const std::string& text) {
-  auto r = parse_bytes(text);
-  if (!r.is_ok()) throw CliError(flag + ": " + r.status().message(), 2);
-  return *r;
-}
-
 void print_memory_table(const gpt::TrainReport& r, DType dtype) {
   const double P = static_cast<double>(r.padded_parameters);
   // Plain data parallelism holds everything on every rank: params and grads in the working
@@ -160,8 +154,8 @@ void run(const Args& a, const CLI::App& sub) {
     std::error_code ec;
     std::filesystem::create_directories(p, ec);
   }
-  if (!a.device_mem.empty()) e.device_mem = bytes_arg("--device-mem", a.device_mem);
-  if (!a.host_mem.empty()) e.host_mem = bytes_arg("--host-mem", a.host_mem);
+  if (!a.device_mem.empty()) e.device_mem = bytes_flag("--device-mem", a.device_mem);
+  if (!a.host_mem.empty()) e.host_mem = bytes_flag("--host-mem", a.host_mem);
   e.seed = o.seed;  // one seed for the initialisation, the data order and the sample
   if (Status s = gpt::check_train_options(o); !s.is_ok()) throw CliError(s.detail(), 2);
 

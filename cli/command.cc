@@ -1,7 +1,10 @@
 #include "command.h"
 
+#include <algorithm>
 #include <map>
 #include <vector>
+
+#include "zinf/core/units.h"
 
 namespace zinf::cli {
 namespace {
@@ -21,6 +24,19 @@ std::vector<Entry>& registry() {
 Registration::Registration(const char* group, const char* name, const char* description,
                            SetupFn setup) {
   registry().push_back({group, name, description, std::move(setup)});
+}
+
+uint64_t bytes_flag(const std::string& flag, const std::string& text) {
+  auto r = parse_bytes(text);
+  if (!r.is_ok()) throw CliError(flag + ": " + r.status().message(), 2);
+  return *r;
+}
+
+double median(std::vector<double> values) {
+  if (values.empty()) return 0;
+  std::sort(values.begin(), values.end());
+  const size_t h = values.size() / 2;
+  return values.size() % 2 ? values[h] : 0.5 * (values[h - 1] + values[h]);
 }
 
 void build_commands(CLI::App& app) {

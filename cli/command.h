@@ -5,9 +5,11 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <cstdint>
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace zinf::cli {
 
@@ -17,6 +19,12 @@ struct CliError : std::runtime_error {
       : std::runtime_error(message), code(exit_code) {}
   int code;
 };
+
+// A byte size given on the command line ("4G", "128K"); a bad one is a CliError naming the flag.
+uint64_t bytes_flag(const std::string& flag, const std::string& text);
+
+// The median of repeated measurements (the mean of the two middle ones for an even count).
+double median(std::vector<double> values);
 
 using SetupFn = std::function<void(CLI::App& sub)>;
 

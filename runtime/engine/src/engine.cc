@@ -23,35 +23,30 @@ std::string unit_tensor_name(const zero::UnitSpec& u, const char* what) {
   return fmt::format("{}.{}", u.name, what);
 }
 
-// dst[i] = 0.0f + (float)src[i]: the first accumulation into a zero accumulator, without reading
-// it (the same bits as adding to +0).
-void accumulate_first(float* dst, const void* src, DType dtype, uint64_t n) {
-  for (uint64_t i = 0; i < n; ++i) {
-    float v = dtype == DType::kF32    ? static_cast<const float*>(src)[i]
-              : dtype == DType::kBF16 ? bf16_to_f32(static_cast<const uint16_t*>(src)[i])
-                                      : f16_to_f32(static_cast<const uint16_t*>(src)[i]);
-    dst[i] = 0.0f + v;
+// dst[i] += (float)src[i] for a working-dtype source; with `first`, dst[i] = 0.0f + (float)src[i]
+// without reading dst (the same bits as adding to a zeroed accumulator).
+template <typename Load>
+void add_into(float* dst, uint64_t n, bool first, Load load) {
+  if (first) {
+    for (uint64_t i = 0; i < n; ++i) dst[i] = 0.0f + load(i);
+  } else {
+    for (uint64_t i = 0; i < n; ++i) dst[i] += load(i);
   }
 }
 
-// dst[i] += (float)src[i] for a working-dtype source.
-void accumulate(float* dst, const void* src, DType dtype, uint64_t n) {
+void accumulate(float* dst, const void* src, DType dtype, uint64_t n, bool first) {
+  auto* f = static_cast<const float*>(src);
+  auto* h = static_cast<const uint16_t*>(src);
   switch (dtype) {
-    case DType::kF32: {
-      auto* s = static_cast<const float*>(src);
-      for (uint64_t i = 0; i < n; ++i) dst[i] += s[i];
+    case DType::kF32:
+      add_into(dst, n, first, [f](uint64_t i) { return f[i]; });
       break;
-    }
-    case DType::kBF16: {
-      auto* s = static_cast<const uint16_t*>(src);
-      for (uint64_t i = 0; i < n; ++i) dst[i] += bf16_to_f32(s[i]);
+    case DType::kBF16:
+      add_into(dst, n, first, [h](uint64_t i) { return bf16_to_f32(h[i]); });
       break;
-    }
-    case DType::kF16: {
-      auto* s = static_cast<const uint16_t*>(src);
-      for (uint64_t i = 0; i < n; ++i) dst[i] += f16_to_f32(s[i]);
+    case DType::kF16:
+      add_into(dst, n, first, [h](uint64_t i) { return f16_to_f32(h[i]); });
       break;
-    }
   }
 }
 
@@ -361,11 +356,7 @@ struct Engine::Impl {
     uint64_t begin = owned_begin(st), end = owned_end(st);
     const void* reduced = s.stage == 0 ? p.grads.data() : p.shard.data();
     float* into = s.stage == 0 ? a : a + acc_index(st, begin);
-    if (st.acc_zero) {
-      accumulate_first(into, reduced, s.dtype, end - begin);
-    } else {
-      accumulate(into, reduced, s.dtype, end - begin);
-    }
+    accumulate(into, reduced, s.dtype, end - begin, /*first=*/st.acc_zero);
     st.acc_zero = false;
     acc.mark_dirty();
     return Status::ok();
@@ -392,33 +383,13 @@ struct Engine::Impl {
     return total;
   }
 
-  Result<bool> local_overflow() {
-    for (UnitState& st : unit_states) {
-      ZINF_ASSIGN_OR_RETURN(TensorHandle acc, store->acquire(st.grad_acc, compute_tier(st)));
-      const float* a = static_cast<const float*>(acc.data()) + acc_index(st, owned_begin(st));
-      if (kernels::grad_has_nonfinite(a, DType::kF32, owned_end(st) - owned_begin(st),
-                                      s.optimizer_threads)) {
-        return true;
-      }
-    }
-    return false;
-  }
-
-  // Everyone's (overflow flag, partial sum of squares), in rank order.
-  Result<std::vector<std::pair<bool, double>>> exchange_partials(bool overflow, double partial) {
-    struct Entry {
-      double partial;
-      double overflow;
-    };
-    std::vector<Entry> all(world);
-    Entry mine{partial, overflow ? 1.0 : 0.0};
-    // Raw bytes: 4 "fp32" elements per rank (all_gather copies bits).
-    comm::Work w = comm.all_gather(&mine, all.data(), sizeof(Entry) / 4, DType::kF32);
-    comm_now.control_elements += world * sizeof(Entry) / 4;
+  // Everyone's partial sum of squares, in rank order (8 bytes per rank, gathered as raw bits).
+  Result<std::vector<double>> exchange_partials(double partial) {
+    std::vector<double> all(world);
+    comm::Work w = comm.all_gather(&partial, all.data(), sizeof(double) / 4, DType::kF32);
+    comm_now.control_elements += world * sizeof(double) / 4;
     ZINF_RETURN_IF_ERROR(w.wait());
-    std::vector<std::pair<bool, double>> out;
-    for (const Entry& e : all) out.emplace_back(e.overflow != 0, e.partial);
-    return out;
+    return all;
   }
 
   // After a step the accumulators are zero; the bytes are written only when needed.
@@ -459,34 +430,24 @@ struct Engine::Impl {
         static_cast<float>(1.0 / (static_cast<double>(s.gradient_accumulation_steps) * scale));
     bool need_norm = s.gradient_clipping > 0;
     bool need_overflow = s.dtype == DType::kF16;
+    // One pass over the accumulators gives both the global norm and, for fp16, the overflow
+    // check: the sum of squares is non-finite exactly when some gradient is.
     double norm_sq = 0;
-    bool overflow = false;
     if (need_norm || need_overflow) {
-      bool local_of = false;
-      if (need_overflow) {
-        ZINF_ASSIGN_OR_RETURN(local_of, local_overflow());
-      }
       if (s.stage == 0) {
         // Every rank holds every shard: compute each rank's partial exactly as that rank would.
-        for (int r = 0; r < world && need_norm; ++r) {
+        for (int r = 0; r < world; ++r) {
           ZINF_ASSIGN_OR_RETURN(double p, partial_sum_squares(r, combined));
           norm_sq += p;
         }
-        overflow = local_of;
       } else {
-        double mine = 0;
-        if (need_norm) {
-          ZINF_ASSIGN_OR_RETURN(mine, partial_sum_squares(rank, combined));
-        }
-        ZINF_ASSIGN_OR_RETURN(auto all, exchange_partials(local_of, mine));
-        for (auto& [of, p] : all) {
-          overflow = overflow || of;
-          norm_sq += p;
-        }
+        ZINF_ASSIGN_OR_RETURN(double mine, partial_sum_squares(rank, combined));
+        ZINF_ASSIGN_OR_RETURN(std::vector<double> all, exchange_partials(mine));
+        for (double p : all) norm_sq += p;
       }
     }
     info.grad_norm = std::sqrt(norm_sq);
-    if (!std::isfinite(info.grad_norm)) overflow = overflow || need_overflow;
+    const bool overflow = need_overflow && !std::isfinite(norm_sq);
     if (overflow) {
       // fp16: skip the update, lower the scale (after `hysteresis` overflows), as DeepSpeed.
       info.skipped = true;
