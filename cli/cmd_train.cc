@@ -40,7 +40,8 @@ struct Args {
   int sample = 0;
   bool quiet = false;
   bool describe = false;
-  int prefetch = 2;
+  std::string prefetch_bucket, max_live, reuse_distance, sub_group;
+  bool overlap_optimizer = false;
 };
 
 // Peak resident set size of this process, in bytes.
@@ -148,8 +149,15 @@ void run(const Args& a, const CLI::App& sub) {
     throw CliError("parameter offload needs ZeRO stage 3", 2);
   }
   if (!from_config || given("--nvme-path")) e.nvme_paths = a.nvme_paths;
-  if (a.prefetch < 0) throw CliError("--prefetch must be at least 0", 2);
-  e.prefetch_units = static_cast<size_t>(a.prefetch);
+  if (!a.prefetch_bucket.empty()) {
+    e.prefetch_bucket_elements = elements_flag("--prefetch-bucket", a.prefetch_bucket);
+  }
+  if (!a.max_live.empty()) e.max_live_elements = elements_flag("--max-live", a.max_live);
+  if (!a.reuse_distance.empty()) {
+    e.max_reuse_distance = elements_flag("--reuse-distance", a.reuse_distance);
+  }
+  if (!a.sub_group.empty()) e.sub_group_elements = elements_flag("--sub-group", a.sub_group);
+  if (a.overlap_optimizer) e.overlap_optimizer = true;
   for (const std::string& p : e.nvme_paths) {
     std::error_code ec;
     std::filesystem::create_directories(p, ec);
@@ -199,6 +207,12 @@ void run(const Args& a, const CLI::App& sub) {
                           {"nvme_written_bytes", s.nvme_written},
                           {"param_gather_elements", s.comm.param_gather_elements},
                           {"grad_reduce_elements", s.comm.grad_reduce_elements},
+                          {"gathers_on_demand", s.schedule.gathers_on_demand},
+                          {"gathers_ahead", s.schedule.gathers_ahead},
+                          {"uses_served_ahead", s.schedule.uses_served_ahead},
+                          {"uses_served_kept", s.schedule.uses_served_kept},
+                          {"peak_live_elements", s.schedule.peak_live_elements},
+                          {"units_updated_early", s.units_updated_early},
                           {"peak_rss_bytes", peak_rss_bytes()}};
       for (int t = 0; t < kNumTiers; ++t) {
         j["bytes_" + std::string(tier_name(static_cast<Tier>(t)))] = s.memory.tiers[t].current;
@@ -251,9 +265,20 @@ const Registration kTrain{
       sub.add_option("--offload-optimizer", a->offload_optimizer, "none | cpu | nvme");
       sub.add_option("--nvme-path", a->nvme_paths, "Swap directory (repeatable: striped)");
       sub.add_option("--dtype", a->dtype, "fp32 | bf16 | fp16 working precision (default fp32)");
-      sub.add_option("--prefetch", a->prefetch,
-                     "Stage 3 offload: units prefetched ahead along the recorded order (default "
-                     "2; 0 = off)");
+      sub.add_option("--prefetch-bucket", a->prefetch_bucket,
+                     "Stage 3: parameter elements all-gathered ahead along the recorded order "
+                     "(stage3_prefetch_bucket_size; default 5e7, 0 = off)");
+      sub.add_option("--max-live", a->max_live,
+                     "Stage 3: parameter elements gathered at once (stage3_max_live_parameters; "
+                     "default 1e9, and at most half of --device-mem)");
+      sub.add_option("--reuse-distance", a->reuse_distance,
+                     "Stage 3: keep a unit gathered when it is used again within this many "
+                     "elements (stage3_max_reuse_distance; default 1e9, 0 = never)");
+      sub.add_option("--sub-group", a->sub_group,
+                     "Optimizer sub-group size in elements (sub_group_size; default 1e9)");
+      sub.add_flag("--overlap-optimizer", a->overlap_optimizer,
+                   "Start each unit's optimizer update during the backward pass once its "
+                   "gradients are final (needs --clip 0 and no fp16)");
       sub.add_option("--device-mem", a->device_mem, "Device budget per rank, e.g. 2G");
       sub.add_option("--host-mem", a->host_mem, "Pinned host budget per rank, e.g. 4G");
       sub.add_option("--grad-accum", a->grad_accum, "Micro-steps per step (default 1)");

@@ -1,7 +1,9 @@
 #include "command.h"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
+#include <string>
 #include <vector>
 
 #include "zinf/core/units.h"
@@ -30,6 +32,24 @@ uint64_t bytes_flag(const std::string& flag, const std::string& text) {
   auto r = parse_bytes(text);
   if (!r.is_ok()) throw CliError(flag + ": " + r.status().message(), 2);
   return *r;
+}
+
+uint64_t elements_flag(const std::string& flag, const std::string& text) {
+  size_t used = 0;
+  double v = 0;
+  try {
+    v = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used == 0 || used != text.size() || !(v >= 0) || v > 1e18 || v != std::floor(v)) {
+    throw CliError(flag +
+                       ": expected a non-negative whole number of elements (e.g. 50000000 or "
+                       "5e7), got '" +
+                       text + "'",
+                   2);
+  }
+  return static_cast<uint64_t>(v);
 }
 
 double median(std::vector<double> values) {

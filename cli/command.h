@@ -23,6 +23,10 @@ struct CliError : std::runtime_error {
 // A byte size given on the command line ("4G", "128K"); a bad one is a CliError naming the flag.
 uint64_t bytes_flag(const std::string& flag, const std::string& text);
 
+// A count of elements given on the command line: an integer, or DeepSpeed's float notation
+// ("5e7"); a bad one (negative, fractional, too large) is a CliError naming the flag.
+uint64_t elements_flag(const std::string& flag, const std::string& text);
+
 // The median of repeated measurements (the mean of the two middle ones for an even count).
 double median(std::vector<double> values);
 

@@ -57,7 +57,9 @@ TEST(Engine, StagesAreBitIdenticalAtWorldSizes1To4) {
         ASSERT_TRUE(r.status.is_ok()) << r.status.to_string();
         ASSERT_EQ(r.losses.size(), 4u);
         EXPECT_LT(r.losses.back(), r.losses.front()) << v.name << " stage " << stage;
-        if (v.clip > 0) EXPECT_GT(r.info.front().grad_norm, v.clip);  // clipping is exercised
+        if (v.clip > 0) {
+          EXPECT_GT(r.info.front().grad_norm, v.clip);  // clipping is exercised
+        }
         if (stage == 0) {
           reference = r;
         } else {
@@ -154,7 +156,9 @@ TEST(Engine, CommunicationMatchesTheZeroVolumes) {
     for (auto& u : testing::mlp_units(shape))
       P += zero::make_shard_layout(u, world, DType::kF32)->numel_padded;
     for (int stage : {0, 1, 2, 3}) {
-      RunResult r = train_local(base(stage), world, 2, 2, shape);
+      EngineSettings s = base(stage);
+      s.max_reuse_distance = 0;  // the ZeRO volumes: no unit kept gathered between its uses
+      RunResult r = train_local(s, world, 2, 2, shape);
       ASSERT_TRUE(r.status.is_ok()) << r.status.to_string();
       for (int rank = 0; rank < world; ++rank) {
         const CommReport& c = r.comm[rank];
@@ -176,8 +180,10 @@ TEST(Engine, PersistentUnitsAreGatheredOncePerStep) {
   for (auto& u : testing::mlp_units(shape)) {
     P += zero::make_shard_layout(u, world, DType::kF32)->numel_padded;
   }
-  RunResult plain = train_local(base(3), world, 3, 2, shape);
-  EngineSettings s = base(3);
+  EngineSettings no_reuse = base(3);
+  no_reuse.max_reuse_distance = 0;
+  RunResult plain = train_local(no_reuse, world, 3, 2, shape);
+  EngineSettings s = no_reuse;
   s.param_persistence_threshold = 1'000'000;  // every unit of the test model
   RunResult persistent = train_local(s, world, 3, 2, shape);
   ASSERT_TRUE(plain.status.is_ok() && persistent.status.is_ok());

@@ -154,6 +154,7 @@ struct RunResult {
   std::vector<float> losses;               // rank 0's mean loss per step
   std::vector<MemoryReport> memory;        // per rank, after the last step
   std::vector<CommReport> comm;            // per rank, of the last step
+  std::vector<ScheduleReport> schedule;    // per rank, of the last step
   std::vector<StepInfo> info;              // rank 0, per step
   Status status;
 };
@@ -168,6 +169,7 @@ inline RunResult train_local(EngineSettings settings, int world, int steps, int 
   std::vector<Status> status(world);
   out.memory.resize(world);
   out.comm.resize(world);
+  out.schedule.resize(world);
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
@@ -206,6 +208,7 @@ inline RunResult train_local(EngineSettings settings, int world, int steps, int 
       }
       out.memory[r] = (*engine)->memory_report();
       out.comm[r] = (*engine)->comm_report();
+      out.schedule[r] = (*engine)->schedule_report();
       for (size_t u = 0; u < (*engine)->unit_count(); ++u) {
         auto p = (*engine)->full_parameters(u);
         if (!p.is_ok()) {

@@ -104,7 +104,13 @@ TEST(Scheduler, KeepsAUnitReusedWithinTheDistance) {
   full.set_live(2, true);
   EXPECT_FALSE(full.keep(3)) << "200 live elements exceed the 150 bound";
   full.set_live(2, false);
-  EXPECT_TRUE(full.keep(3));
+  EXPECT_TRUE(full.keep(3)) << "reused at once: nothing else to gather meanwhile";
+  full.on_use(3);
+  EXPECT_FALSE(full.keep(3)) << "unit 2 (100) must be gathered beside it: 200 > 150";
+  full.set_live(2, true);
+  EXPECT_FALSE(full.keep(3));
+  full.set_live(3, false);
+  EXPECT_TRUE(full.keep(2)) << "its next use comes next: 100 live fits";
 }
 
 TEST(Scheduler, ADepartureRerecordsFromTheMatchingPrefix) {

@@ -183,6 +183,8 @@ Status run_rank(comm::Communicator& comm, const TrainOptions& o, const TextDatas
                   .grad_norm = engine->last_step().grad_norm,
                   .memory = engine->memory_report(),
                   .comm = engine->comm_report(),
+                  .schedule = engine->schedule_report(),
+                  .units_updated_early = engine->last_step().units_updated_early,
                   .nvme_read = now.bytes_nvme_read - last_store.bytes_nvme_read,
                   .nvme_written = now.bytes_nvme_written - last_store.bytes_nvme_written};
       last_store = now;

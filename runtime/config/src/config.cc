@@ -295,6 +295,7 @@ Status read_zinf(ObjectReader& r, ZinfConfig& z) {
   ZINF_RETURN_IF_ERROR(r.read_uint("seed", z.seed));
   ZINF_RETURN_IF_ERROR(r.read_bool("checksum", z.checksum));
   ZINF_RETURN_IF_ERROR(r.read_bytes("staging_bytes", z.staging_bytes));
+  ZINF_RETURN_IF_ERROR(r.read_bool("overlap_optimizer", z.overlap_optimizer));
   r.finish();
   return Status::ok();
 }

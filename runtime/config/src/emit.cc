@@ -117,9 +117,13 @@ json to_json(const Config& c) {
   if (!c.scheduler.is_null()) j["scheduler"] = c.scheduler;
 
   const ZinfConfig& zc = c.zinf;
-  j["zinf"] = {{"device_mem", zc.device_mem}, {"host_mem", zc.host_mem},
-               {"trace", zc.trace},           {"seed", zc.seed},
-               {"checksum", zc.checksum},     {"staging_bytes", zc.staging_bytes}};
+  j["zinf"] = {{"device_mem", zc.device_mem},
+               {"host_mem", zc.host_mem},
+               {"trace", zc.trace},
+               {"seed", zc.seed},
+               {"checksum", zc.checksum},
+               {"staging_bytes", zc.staging_bytes},
+               {"overlap_optimizer", zc.overlap_optimizer}};
   return j;
 }
 

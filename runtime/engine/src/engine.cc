@@ -2,8 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <mutex>
+#include <thread>
 
 #include "zinf/core/log.h"
 #include "zinf/core/trace.h"
@@ -12,16 +15,14 @@
 #include "zinf/io/swap_space.h"
 #include "zinf/kernels/cpu_adam.h"
 #include "zinf/memory/pinned_pool.h"
+#include "zinf/sched/scheduler.h"
+#include "zinf/sched/sub_groups.h"
 
 namespace zinf {
 namespace {
 
 constexpr uint64_t kUnlimited = uint64_t{1} << 50;
 constexpr TensorId kNoTensor = ~TensorId{0};
-
-std::string unit_tensor_name(const zero::UnitSpec& u, const char* what) {
-  return fmt::format("{}.{}", u.name, what);
-}
 
 // dst[i] += (float)src[i] for a working-dtype source; with `first`, dst[i] = 0.0f + (float)src[i]
 // without reading dst (the same bits as adding to a zeroed accumulator).
@@ -66,6 +67,57 @@ void store_value(void* base, DType dtype, uint64_t i, float v) {
 
 }  // namespace
 
+// Runs optimizer updates on one thread of its own, in submission order (overlap_optimizer).
+class OptimizerWorker {
+ public:
+  OptimizerWorker() : thread_([this] { run(); }) {}
+  ~OptimizerWorker() {
+    {
+      std::lock_guard lk(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void submit(std::function<Status()> job) {
+    {
+      std::lock_guard lk(mu_);
+      jobs_.push_back(std::move(job));
+    }
+    cv_.notify_all();
+  }
+  // Waits until every submitted job has run; the first failure since the last wait.
+  Status wait() {
+    std::unique_lock lk(mu_);
+    idle_cv_.wait(lk, [&] { return jobs_.empty() && !busy_; });
+    return std::exchange(first_error_, Status());
+  }
+
+ private:
+  void run() {
+    std::unique_lock lk(mu_);
+    for (;;) {
+      cv_.wait(lk, [&] { return stop_ || !jobs_.empty(); });
+      if (jobs_.empty()) return;  // stopping, nothing left
+      auto job = std::move(jobs_.front());
+      jobs_.pop_front();
+      busy_ = true;
+      lk.unlock();
+      Status st = job();
+      lk.lock();
+      busy_ = false;
+      if (!st.is_ok() && first_error_.is_ok()) first_error_ = std::move(st);
+      if (jobs_.empty()) idle_cv_.notify_all();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_, idle_cv_;
+  std::deque<std::function<Status()>> jobs_;
+  bool busy_ = false, stop_ = false;
+  Status first_error_;
+  std::thread thread_;
+};
+
 struct Engine::Impl {
   EngineSettings s;
   comm::Communicator& comm;
@@ -83,21 +135,53 @@ struct Engine::Impl {
 
   struct UnitState {
     zero::ShardLayout layout;
-    TensorId params = kNoTensor;            // working dtype: full (stages 0-2) or shard (stage 3)
-    TensorId master = kNoTensor;            // fp32 master when mixed: full (stage 0) or shard
-    TensorId m = kNoTensor, v = kNoTensor;  // fp32: full (stage 0) or shard
-    TensorId grad_acc = kNoTensor;          // fp32: full (stages 0-1) or shard (2-3)
-    // The accumulator holds zeros in this rank's range (without its bytes having been written:
+    TensorId params = kNoTensor;  // working dtype: full (stages 0-2) or shard (stage 3)
+    std::vector<size_t> pieces;   // its optimizer state, in range order (indices into `pieces`)
+    // The accumulators hold zeros in this rank's range (without their bytes having been written:
     // zeroing is lazy, so an offloaded accumulator is not read and written just to clear it).
     bool acc_zero = true;
     Tier opt_home = Tier::kDevice;  // the optimizer's home for this unit (partial offload)
-    // Stage 3, units of at most stage3_param_persistence_threshold elements: the gathered
-    // parameters stay on the device, all-gathered once per step (after each update).
+    // Stage 3, units of at most stage3_param_persistence_threshold elements: once gathered in a
+    // step they stay gathered until the update.
     bool persistent = false;
+    // Stage 3: the gathered full parameters while the unit is live (in use, fetched ahead or
+    // kept); the all-gather filling them may still be in flight, its shard pinned until done.
     DeviceBuffer gathered;
-    int64_t gathered_at_step = -1;
+    TensorHandle gathering_shard;
+    comm::Work gather_work;
+    bool gather_in_flight = false;
+    trace::Clock::time_point gather_issued;
+    int scopes = 0;                  // open scopes using `gathered`
+    bool used_since_gather = false;  // for the schedule report
+    // The unit's gradients are final for this step: its last use in the recorded order has been
+    // reduced (known only while the step follows the trace).
+    bool grads_final = false;
+    // overlap_optimizer: its update was handed to the optimizer worker.
+    bool updated_early = false;
   };
   std::vector<UnitState> unit_states;
+
+  // A piece of one unit's optimizer state: the flat elements [begin, end) of the unit.
+  struct PieceState {
+    size_t unit = 0;
+    uint64_t begin = 0, end = 0;
+    TensorId master = kNoTensor;            // fp32 master when mixed
+    TensorId m = kNoTensor, v = kNoTensor;  // fp32 Adam moments
+    // The fp32 gradient accumulator holding [begin, end): the piece's own, or (stage 1, whose
+    // ranks hold full gradients) the unit's one full accumulator, shared by its pieces.
+    TensorId acc = kNoTensor;
+    uint64_t acc_base = 0;  // flat index of the accumulator's element 0
+    bool last_of_unit = false;
+    bool owns_acc = true;  // false for a shared accumulator
+  };
+  std::vector<PieceState> pieces;
+  std::vector<std::vector<size_t>> groups;  // sub-groups of pieces, in declaration order
+  // The order step() walks the groups in: the order in which their gradients become final in
+  // the recorded trace (the backward order), so that the first groups' state can be read while
+  // the backward pass still runs. Declaration order until a trace is recorded.
+  std::vector<size_t> walk;
+  size_t walk_prefetched = 0;  // groups of `walk` whose state was read ahead during backward
+  static constexpr size_t kGroupsReadDuringBackward = 2;
 
   // Reductions issued at scope end, accumulated when they complete (in issue order).
   struct Pending {
@@ -105,16 +189,17 @@ struct Engine::Impl {
     DeviceBuffer grads;  // the full gradient buffer (reduced in place for stage 0)
     DeviceBuffer shard;  // stages 1-3: this rank's reduced part
     std::vector<comm::Work> works;
+    bool final = false;  // the unit's last gradient of the step
   };
   std::deque<Pending> pending;
   Status sticky;  // an error from a scope's destructor, reported by the next call
 
-  // The scheduler: the order in which units are gathered, recorded during the first step and
-  // followed afterwards to prefetch ahead.
-  std::vector<size_t> trace;
-  size_t trace_pos = 0;
-  bool recording = true;
+  std::unique_ptr<sched::Scheduler> sched;
+  ScheduleReport schedule_now;  // counts since the last step
+  std::mutex evictions_mu;
   std::vector<std::shared_future<Status>> evictions;  // write-backs in flight
+  std::unique_ptr<OptimizerWorker> worker;            // overlap_optimizer only
+  size_t updated_early = 0;
 
   // Step state.
   int64_t steps = 0;
@@ -130,32 +215,42 @@ struct Engine::Impl {
     return *what ? fmt::format("rank{} {}", rank, what) : fmt::format("rank{}", rank);
   }
 
-  // Where unit u's optimizer state lives and where its update runs (device, or the CPU for
-  // state offloaded to host memory or NVMe).
-  Tier compute_tier(const struct UnitState& st) const {
+  // Where a unit's optimizer update runs: on the device, or on the CPU for state offloaded to
+  // host memory or NVMe.
+  Tier compute_tier(const UnitState& st) const {
     return st.opt_home == Tier::kDevice ? Tier::kDevice : Tier::kHost;
   }
-  uint64_t owned_begin(const UnitState& u) const {
-    return s.stage == 0 ? 0 : u.layout.shard_begin(rank);
-  }
-  uint64_t owned_end(const UnitState& u) const {
-    return s.stage == 0 ? u.layout.numel_padded : u.layout.shard_end(rank);
-  }
-  // Index of flat element `flat` in the unit's tensors.
+  // Index of flat element `flat` in the unit's parameter tensor.
   uint64_t param_index(const UnitState& u, uint64_t flat) const {
     return s.stage == 3 ? flat - u.layout.shard_begin(rank) : flat;
   }
-  uint64_t state_index(const UnitState& u, uint64_t flat) const {
-    return s.stage == 0 ? flat : flat - u.layout.shard_begin(rank);
-  }
-  uint64_t acc_index(const UnitState& u, uint64_t flat) const {
-    return s.stage <= 1 ? flat : flat - u.layout.shard_begin(rank);
+  // The flat ranges whose optimizer state this rank holds: its shard, or every rank's shard at
+  // stage 0 (kept apart so that a piece never straddles two shards: the norm adds each rank's
+  // shard as that rank would).
+  std::vector<sched::ElementRange> owned_ranges(const zero::ShardLayout& l) const {
+    std::vector<sched::ElementRange> out;
+    for (int r = 0; r < world; ++r) {
+      if (s.stage == 0 || r == rank) out.push_back({l.shard_begin(r), l.shard_end(r)});
+    }
+    return out;
   }
 
-  Result<TensorId> make_tensor(const zero::UnitSpec& spec, const char* what, uint64_t bytes,
-                               Tier home, MemoryCategory category) {
-    return store->create_tensor(TensorSpec{
-        .name = unit_tensor_name(spec, what), .bytes = bytes, .home = home, .category = category});
+  Result<TensorId> make_tensor(const std::string& name, uint64_t bytes, Tier home,
+                               MemoryCategory category) {
+    return store->create_tensor(
+        TensorSpec{.name = name, .bytes = bytes, .home = home, .category = category});
+  }
+
+  // The sub-group size in elements: the configured one, and with the optimizer offloaded under a
+  // host budget at most a third of what the budget holds (three groups are in flight at once:
+  // one being read, one updated, one written back).
+  uint64_t sub_group_limit() const {
+    uint64_t limit = s.sub_group_elements;
+    if (limit == 0 || s.optimizer_home == Tier::kDevice || s.host_mem == 0) return limit;
+    const uint64_t bytes_per_element = (mixed ? 16 : 12) + (s.stage == 3 ? dtype_size(s.dtype) : 0);
+    const uint64_t fit = s.host_mem / (3 * bytes_per_element);
+    return std::min(limit, std::max(fit / kernels::kSumSquaresBlockElems, uint64_t{1}) *
+                               kernels::kSumSquaresBlockElems);
   }
 
   Status build() {
@@ -176,6 +271,11 @@ struct Engine::Impl {
       return make_error(ErrorCode::kInvalidArgument,
                         "gradient_accumulation_steps must be at least 1, got {}",
                         s.gradient_accumulation_steps);
+    }
+    if (!(s.optimizer_offload_ratio > 0 && s.optimizer_offload_ratio <= 1)) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "offload_optimizer.ratio must be in (0, 1], got {}",
+                        s.optimizer_offload_ratio);
     }
     // Resources of this rank: device, pinned host pool, NVMe swap, the store over them.
     device = make_cpu_device(
@@ -208,14 +308,6 @@ struct Engine::Impl {
     hysteresis_left = s.hysteresis;
 
     const uint64_t wsize = dtype_size(s.dtype);
-    // Partial offload (DeepSpeed's Twin-Flow `ratio`): the first units, in declaration order,
-    // holding about `ratio` of the parameters have their optimizer state offloaded; the others
-    // keep it on the device and are updated there.
-    if (!(s.optimizer_offload_ratio > 0 && s.optimizer_offload_ratio <= 1)) {
-      return make_error(ErrorCode::kInvalidArgument,
-                        "offload_optimizer.ratio must be in (0, 1], got {}",
-                        s.optimizer_offload_ratio);
-    }
     uint64_t total_numel = 0, offloaded_numel = 0;
     std::vector<zero::ShardLayout> layouts;
     for (const auto& unit : units) {
@@ -223,11 +315,33 @@ struct Engine::Impl {
       total_numel += l.numel;
       layouts.push_back(std::move(l));
     }
+    // The scheduler: its live bound is also held to half the device budget.
+    std::vector<uint64_t> unit_elements;
+    for (const auto& l : layouts) unit_elements.push_back(l.numel_padded);
+    sched::SchedulerOptions so{.prefetch_elements = s.prefetch_bucket_elements,
+                               .max_live_elements = s.max_live_elements,
+                               .max_reuse_distance = s.max_reuse_distance};
+    if (s.device_mem > 0) {
+      so.max_live_elements = std::min(so.max_live_elements, s.device_mem / 2 / wsize);
+    }
+    sched = std::make_unique<sched::Scheduler>(so, unit_elements);
+    // Optimizer sub-groups over the ranges this rank owns.
+    std::vector<std::vector<sched::ElementRange>> owned;
+    for (const auto& l : layouts) owned.push_back(owned_ranges(l));
+    const sched::SubGroupPlan plan =
+        sched::plan_sub_groups(owned, sub_group_limit(), kernels::kSumSquaresBlockElems);
+    groups = plan.groups;
+    for (size_t g = 0; g < groups.size(); ++g) walk.push_back(g);
+    schedule_now.sub_groups = groups.size();
+    if (s.overlap_optimizer) worker = std::make_unique<OptimizerWorker>();
+
     for (size_t u = 0; u < units.size(); ++u) {
       UnitState st;
       st.layout = layouts[u];
       st.persistent = s.stage == 3 && st.layout.numel <= s.param_persistence_threshold;
-      st.opt_home = Tier::kDevice;
+      // Partial offload (DeepSpeed's Twin-Flow `ratio`): the first units, in declaration order,
+      // holding about `ratio` of the parameters have their optimizer state offloaded; the others
+      // keep it on the device and are updated there.
       if (s.optimizer_home != Tier::kDevice &&
           static_cast<double>(offloaded_numel) + st.layout.numel / 2.0 <=
               s.optimizer_offload_ratio * static_cast<double>(total_numel)) {
@@ -235,23 +349,53 @@ struct Engine::Impl {
         offloaded_numel += st.layout.numel;
       }
       const uint64_t full = st.layout.numel_padded, shard = st.layout.shard_numel;
-      const uint64_t state_n = s.stage == 0 ? full : shard;
+      const std::string& name = units[u].name;
       ZINF_ASSIGN_OR_RETURN(st.params,
-                            make_tensor(units[u], "params", (s.stage == 3 ? shard : full) * wsize,
+                            make_tensor(name + ".params", (s.stage == 3 ? shard : full) * wsize,
                                         s.param_home, MemoryCategory::kParameters));
-      if (mixed) {
-        ZINF_ASSIGN_OR_RETURN(st.master, make_tensor(units[u], "master", state_n * 4, st.opt_home,
-                                                     MemoryCategory::kOptimizerStates));
+      // Stage 1 ranks hold full gradients: one accumulator for the unit, shared by its pieces.
+      TensorId shared_acc = kNoTensor;
+      if (s.stage == 1) {
+        ZINF_ASSIGN_OR_RETURN(shared_acc, make_tensor(name + ".grad_acc", full * 4, st.opt_home,
+                                                      MemoryCategory::kGradients));
       }
-      ZINF_ASSIGN_OR_RETURN(st.m, make_tensor(units[u], "adam_m", state_n * 4, st.opt_home,
-                                              MemoryCategory::kOptimizerStates));
-      ZINF_ASSIGN_OR_RETURN(st.v, make_tensor(units[u], "adam_v", state_n * 4, st.opt_home,
-                                              MemoryCategory::kOptimizerStates));
-      // The fp32 gradient shard lives with the optimizer state (device, host or NVMe), so that
-      // with NVMe offload no training state is bound to memory (the host budget caches it).
-      ZINF_ASSIGN_OR_RETURN(st.grad_acc,
-                            make_tensor(units[u], "grad_acc", (s.stage <= 1 ? full : shard) * 4,
-                                        st.opt_home, MemoryCategory::kGradients));
+      std::vector<size_t> mine;
+      for (size_t i = 0; i < plan.pieces.size(); ++i) {
+        if (plan.pieces[i].unit == u) mine.push_back(i);
+      }
+      for (size_t k = 0; k < mine.size(); ++k) {
+        const sched::Piece& src = plan.pieces[mine[k]];
+        PieceState p{.unit = u, .begin = src.range.begin, .end = src.range.end};
+        p.last_of_unit = k + 1 == mine.size();
+        const uint64_t n = p.end - p.begin;
+        // "layer0.adam_m", or "layer0.adam_m.1" when the unit's state is in several pieces.
+        auto tensor_name = [&](const char* what) {
+          return mine.size() == 1 ? fmt::format("{}.{}", name, what)
+                                  : fmt::format("{}.{}.{}", name, what, k);
+        };
+        if (mixed) {
+          ZINF_ASSIGN_OR_RETURN(p.master, make_tensor(tensor_name("master"), n * 4, st.opt_home,
+                                                      MemoryCategory::kOptimizerStates));
+        }
+        ZINF_ASSIGN_OR_RETURN(p.m, make_tensor(tensor_name("adam_m"), n * 4, st.opt_home,
+                                               MemoryCategory::kOptimizerStates));
+        ZINF_ASSIGN_OR_RETURN(p.v, make_tensor(tensor_name("adam_v"), n * 4, st.opt_home,
+                                               MemoryCategory::kOptimizerStates));
+        // The fp32 gradient lives with the optimizer state (device, host or NVMe), so that with
+        // NVMe offload no training state is bound to memory (the host budget caches it).
+        if (shared_acc != kNoTensor) {
+          p.acc = shared_acc;
+          p.acc_base = 0;
+          p.owns_acc = false;
+        } else {
+          ZINF_ASSIGN_OR_RETURN(p.acc, make_tensor(tensor_name("grad_acc"), n * 4, st.opt_home,
+                                                   MemoryCategory::kGradients));
+          p.acc_base = p.begin;
+        }
+        // Pieces are made in plan order, so indices into `pieces` match the plan's.
+        st.pieces.push_back(pieces.size());
+        pieces.push_back(p);
+      }
       unit_states.push_back(std::move(st));
       ZINF_RETURN_IF_ERROR(initialise(u));
     }
@@ -264,32 +408,133 @@ struct Engine::Impl {
     const auto& l = st.layout;
     uint64_t p_begin = s.stage == 3 ? l.shard_begin(rank) : 0;
     uint64_t p_end = s.stage == 3 ? l.shard_end(rank) : l.numel_padded;
+    auto value = [&](uint64_t flat) { return flat < l.numel ? init(u, flat, s.seed) : 0.0f; };
     {
       ZINF_ASSIGN_OR_RETURN(TensorHandle h, store->acquire(st.params, Tier::kHost));
       for (uint64_t flat = p_begin; flat < p_end; ++flat) {
-        float value = flat < l.numel ? init(u, flat, s.seed) : 0.0f;
-        store_value(h.data(), s.dtype, flat - p_begin, value);
+        store_value(h.data(), s.dtype, flat - p_begin, value(flat));
       }
       h.mark_dirty();
     }
     if (mixed) {
-      ZINF_ASSIGN_OR_RETURN(TensorHandle h, store->acquire(st.master, Tier::kHost));
-      auto* master = static_cast<float*>(h.data());
-      for (uint64_t flat = owned_begin(st); flat < owned_end(st); ++flat) {
-        master[state_index(st, flat)] = flat < l.numel ? init(u, flat, s.seed) : 0.0f;
+      for (size_t pi : st.pieces) {
+        const PieceState& p = pieces[pi];
+        {
+          ZINF_ASSIGN_OR_RETURN(TensorHandle h, store->acquire(p.master, Tier::kHost));
+          auto* master = static_cast<float*>(h.data());
+          for (uint64_t flat = p.begin; flat < p.end; ++flat) master[flat - p.begin] = value(flat);
+          h.mark_dirty();
+        }
+        if (st.opt_home != Tier::kHost) {
+          ZINF_RETURN_IF_ERROR(store->flush(p.master));
+          if (st.opt_home == Tier::kNvme) ZINF_RETURN_IF_ERROR(store->evict(p.master, Tier::kHost));
+        }
       }
-      h.mark_dirty();
     }
     // Resident where they are used; the host copy written above is not kept.
     if (s.param_home != Tier::kHost) {
       { ZINF_ASSIGN_OR_RETURN(TensorHandle d, store->acquire(st.params, Tier::kDevice)); }
       ZINF_RETURN_IF_ERROR(store->evict(st.params, Tier::kHost));
     }
-    if (mixed && st.opt_home != Tier::kHost) {
-      ZINF_RETURN_IF_ERROR(store->flush(st.master));
-      if (st.opt_home == Tier::kNvme) ZINF_RETURN_IF_ERROR(store->evict(st.master, Tier::kHost));
+    return Status::ok();
+  }
+
+  // ---- the schedule: uses, gathers ahead, kept units -----------------------------------------
+
+  // Called at each gather, before anything is fetched.
+  Status on_use(size_t u) {
+    if (unit_states[u].updated_early) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "unit {} is used again after its optimizer update started in this step "
+                        "(overlap_optimizer needs every step to use the units in the recorded "
+                        "order)",
+                        units[u].name);
+    }
+    const size_t at = sched->position();
+    if (sched->on_use(u) == sched::Use::kDeparted) {
+      log::warn_once("engine:trace",
+                     fmt::format("use {} of the step (unit {}) differs from the recorded order; "
+                                 "re-recording it (prefetching resumes after this step; reported "
+                                 "once)",
+                                 at, units[u].name));
     }
     return Status::ok();
+  }
+
+  // Stage 3: starts all-gathering unit u's parameters into a new device buffer (u becomes live).
+  Status start_gather(size_t u) {
+    UnitState& st = unit_states[u];
+    const uint64_t wsize = dtype_size(s.dtype);
+    ZINF_ASSIGN_OR_RETURN(TensorHandle shard, store->acquire(st.params, Tier::kDevice));
+    ZINF_ASSIGN_OR_RETURN(
+        DeviceBuffer full,
+        store->allocate_device(st.layout.numel_padded * wsize, MemoryCategory::kParameters,
+                               "gathered parameters of " + units[u].name));
+    st.gather_issued = trace::Clock::now();
+    st.gather_work = comm.all_gather(shard.data(), full.data(), st.layout.shard_numel, s.dtype);
+    st.gather_in_flight = true;
+    st.used_since_gather = false;
+    st.gathering_shard = std::move(shard);
+    st.gathered = std::move(full);
+    comm_now.param_gather_elements += st.layout.numel_padded;
+    sched->set_live(u, true);
+    schedule_now.peak_live_elements =
+        std::max(schedule_now.peak_live_elements, sched->live_elements());
+    return Status::ok();
+  }
+
+  // Waits for unit u's all-gather (if in flight) and lets its shard go.
+  Status finish_gather(size_t u) {
+    UnitState& st = unit_states[u];
+    if (!st.gather_in_flight) return Status::ok();
+    Status ws = st.gather_work.wait();
+    if (trace::enabled()) {
+      trace::complete(track("comm"), "all-gather " + units[u].name, st.gather_issued);
+    }
+    st.gather_in_flight = false;
+    st.gather_work = comm::Work();
+    st.gathering_shard.release();
+    release_offloaded(st.params, s.param_home, Tier::kDevice);
+    if (!ws.is_ok()) {
+      drop_live(u);
+      return std::move(ws).with_context("gathering unit " + units[u].name);
+    }
+    return Status::ok();
+  }
+
+  // Unit u is no longer live: its gathered parameters are freed (after its all-gather, which
+  // owns the buffer until it completes).
+  void drop_live(size_t u) {
+    UnitState& st = unit_states[u];
+    if (st.gather_in_flight) (void)finish_gather(u);
+    st.gathered.reset();
+    sched->set_live(u, false);
+  }
+
+  // After a use: starts the reads and all-gathers the trace says come next. Every rank makes the
+  // same decisions (they depend on the trace and sizes only), so all-gathers stay in step.
+  Status plan_ahead() {
+    if (s.stage != 3 || !sched->following()) return Status::ok();
+    const uint64_t base_tick = static_cast<uint64_t>(steps) * sched->trace().size();
+    if (s.param_home != Tier::kDevice) {
+      for (size_t u : sched->reads_ahead()) {
+        const UnitState& st = unit_states[u];
+        if (auto next = sched->next_use(u)) store->set_next_use(st.params, base_tick + *next);
+        store->prefetch(st.params, Tier::kDevice);
+      }
+    }
+    for (size_t u : sched->gathers_ahead()) {
+      ZINF_RETURN_IF_ERROR(start_gather(u));
+      ++schedule_now.gathers_ahead;
+    }
+    return Status::ok();
+  }
+
+  // Step end: gathered parameters are about to change; nothing stays live.
+  void drop_all_live() {
+    for (size_t u = 0; u < unit_states.size(); ++u) {
+      if (unit_states[u].gathered || unit_states[u].gather_in_flight) drop_live(u);
+    }
   }
 
   // ---- gradient reduction ---------------------------------------------------------------------
@@ -299,6 +544,9 @@ struct Engine::Impl {
     const auto& l = st.layout;
     const uint64_t wsize = dtype_size(s.dtype);
     Pending p{.unit = u, .grads = std::move(grads)};
+    // overlap_optimizer: the unit is not used again in this step, so this reduction completes its
+    // gradients.
+    p.final = sched->following() && !sched->next_use(u);
     if (s.stage >= 1) {
       ZINF_ASSIGN_OR_RETURN(p.shard,
                             store->allocate_device(l.shard_numel * wsize, MemoryCategory::kBuffers,
@@ -348,17 +596,35 @@ struct Engine::Impl {
     }
     UnitState& st = unit_states[p.unit];
     ZINF_CHECK(device->host_addressable(), "gradient accumulation from device memory needs a copy");
-    // The first micro-step overwrites the (lazily zero) accumulator without fetching it; in stage
-    // 1 the bytes outside this rank's range are then unspecified, and never read.
+    // The first micro-step overwrites the (lazily zero) accumulators without fetching them; in
+    // stage 1 the bytes outside this rank's range are then unspecified, and never read.
     const Access access = st.acc_zero ? Access::kOverwrite : Access::kRead;
-    ZINF_ASSIGN_OR_RETURN(TensorHandle acc, store->acquire(st.grad_acc, compute_tier(st), access));
-    auto* a = static_cast<float*>(acc.data());
-    uint64_t begin = owned_begin(st), end = owned_end(st);
-    const void* reduced = s.stage == 0 ? p.grads.data() : p.shard.data();
-    float* into = s.stage == 0 ? a : a + acc_index(st, begin);
-    accumulate(into, reduced, s.dtype, end - begin, /*first=*/st.acc_zero);
+    const uint64_t wsize = dtype_size(s.dtype);
+    TensorHandle acc;  // consecutive pieces may share one accumulator (stage 1)
+    for (size_t pi : st.pieces) {
+      const PieceState& piece = pieces[pi];
+      if (!acc || acc.id() != piece.acc) {
+        acc.release();
+        ZINF_ASSIGN_OR_RETURN(acc, store->acquire(piece.acc, compute_tier(st), access));
+        acc.mark_dirty();
+      }
+      const char* reduced = s.stage == 0
+                                ? static_cast<const char*>(p.grads.data()) + piece.begin * wsize
+                                : static_cast<const char*>(p.shard.data()) +
+                                      (piece.begin - st.layout.shard_begin(rank)) * wsize;
+      accumulate(static_cast<float*>(acc.data()) + (piece.begin - piece.acc_base), reduced, s.dtype,
+                 piece.end - piece.begin, /*first=*/st.acc_zero);
+    }
+    acc.release();
     st.acc_zero = false;
-    acc.mark_dirty();
+    if (p.final) {
+      st.grads_final = true;
+      if (worker && can_update_early()) {
+        start_early_update(p.unit);
+      } else {
+        read_optimizer_ahead();
+      }
+    }
     return Status::ok();
   }
 
@@ -369,16 +635,43 @@ struct Engine::Impl {
 
   // ---- the optimizer step ---------------------------------------------------------------------
 
+  // Gradients are averaged over ranks by the reduction; here over micro-steps and the loss scale.
+  float combined_scale() const {
+    return static_cast<float>(1.0 / (static_cast<double>(s.gradient_accumulation_steps) * scale));
+  }
+  bool need_norm() const { return s.gradient_clipping > 0; }
+  bool need_overflow_check() const { return s.dtype == DType::kF16; }
+  // An update may run before step() only when it needs nothing from the other units' gradients.
+  bool can_update_early() const { return !need_norm() && !need_overflow_check(); }
+
   // Sum of squares of this rank's accumulated gradients over `range_rank`'s shard of each unit,
-  // in unit order (stage 0 holds every shard and computes every rank's partial itself).
+  // adding the fixed 1024-element block sums left to right in unit order, so the result does not
+  // depend on how the state is cut into pieces (stage 0 holds every shard and computes every
+  // rank's partial itself).
   Result<double> partial_sum_squares(int range_rank, float scale_factor) {
+    std::vector<size_t> selected;
+    for (const UnitState& st : unit_states) {
+      const uint64_t lo = st.layout.shard_begin(range_rank), hi = st.layout.shard_end(range_rank);
+      for (size_t pi : st.pieces) {
+        if (pieces[pi].begin >= lo && pieces[pi].end <= hi) selected.push_back(pi);
+      }
+    }
     double total = 0;
-    for (UnitState& st : unit_states) {
-      ZINF_ASSIGN_OR_RETURN(TensorHandle acc, store->acquire(st.grad_acc, compute_tier(st)));
-      uint64_t begin = st.layout.shard_begin(range_rank);
-      const float* a = static_cast<const float*>(acc.data()) + acc_index(st, begin);
-      total += kernels::grad_sum_squares(a, DType::kF32, st.layout.shard_numel, scale_factor,
-                                         s.optimizer_threads);
+    std::vector<double> blocks;
+    for (size_t i = 0; i < selected.size(); ++i) {
+      if (i + 1 < selected.size()) {  // read the next accumulator while this one is summed
+        const PieceState& next = pieces[selected[i + 1]];
+        store->prefetch(next.acc, compute_tier(unit_states[next.unit]));
+      }
+      const PieceState& p = pieces[selected[i]];
+      ZINF_ASSIGN_OR_RETURN(TensorHandle acc,
+                            store->acquire(p.acc, compute_tier(unit_states[p.unit])));
+      const uint64_t n = p.end - p.begin;
+      blocks.resize(kernels::sum_squares_block_count(n));
+      kernels::grad_sum_squares_blocks(
+          static_cast<const float*>(acc.data()) + (p.begin - p.acc_base), DType::kF32, n,
+          scale_factor, blocks.data(), s.optimizer_threads);
+      for (double b : blocks) total += b;
     }
     return total;
   }
@@ -392,20 +685,18 @@ struct Engine::Impl {
     return all;
   }
 
-  // After a step the accumulators are zero; the bytes are written only when needed.
-  Status zero_gradients() {
-    for (UnitState& st : unit_states) st.acc_zero = true;
-    return Status::ok();
-  }
-
   // Writes the zeros of accumulators that received no gradient this step (before they are read).
   Status materialise_zero_accumulators() {
     for (UnitState& st : unit_states) {
       if (!st.acc_zero) continue;
-      ZINF_ASSIGN_OR_RETURN(TensorHandle acc,
-                            store->acquire(st.grad_acc, compute_tier(st), Access::kOverwrite));
-      std::memset(acc.data(), 0, acc.bytes());
-      acc.mark_dirty();
+      for (size_t pi : st.pieces) {
+        const PieceState& p = pieces[pi];
+        if (!p.owns_acc && pi != st.pieces.front()) continue;  // a shared one: once
+        ZINF_ASSIGN_OR_RETURN(TensorHandle acc,
+                              store->acquire(p.acc, compute_tier(st), Access::kOverwrite));
+        std::memset(acc.data(), 0, acc.bytes());
+        acc.mark_dirty();
+      }
       st.acc_zero = false;
     }
     return Status::ok();
@@ -413,27 +704,26 @@ struct Engine::Impl {
 
   Status step(StepInfo& info) {
     ZINF_RETURN_IF_ERROR(drain_pending());
-    if (recording && !trace.empty()) {
-      recording = false;  // the first full step is the trace
-    } else if (!recording && trace_pos != trace.size()) {
+    // Whatever runs early must be done before anything else reads the state.
+    Status early = worker ? worker->wait() : Status::ok();
+    const std::vector<bool> skip = std::exchange(done_early, {});
+    info.units_updated_early = updated_early;
+    updated_early = 0;
+    for (UnitState& st : unit_states) st.updated_early = false;
+    drop_all_live();
+    if (!sched->on_step_end()) {
       log::warn_once("engine:trace-short",
-                     "a step gathered fewer units than the recorded one; "
-                     "re-recording");
-      recording = true;
-      trace.clear();
+                     "a step used fewer units than the recorded one; re-recording (reported once)");
     }
-    trace_pos = 0;
+    plan_walk();
+    ZINF_RETURN_IF_ERROR(early);
     ZINF_RETURN_IF_ERROR(finish_evictions());
     ZINF_RETURN_IF_ERROR(materialise_zero_accumulators());
-    // Gradients are averaged over ranks by the reduction; here over micro-steps and the loss scale.
-    const float combined =
-        static_cast<float>(1.0 / (static_cast<double>(s.gradient_accumulation_steps) * scale));
-    bool need_norm = s.gradient_clipping > 0;
-    bool need_overflow = s.dtype == DType::kF16;
+    const float combined = combined_scale();
     // One pass over the accumulators gives both the global norm and, for fp16, the overflow
     // check: the sum of squares is non-finite exactly when some gradient is.
     double norm_sq = 0;
-    if (need_norm || need_overflow) {
+    if (need_norm() || need_overflow_check()) {
       if (s.stage == 0) {
         // Every rank holds every shard: compute each rank's partial exactly as that rank would.
         for (int r = 0; r < world; ++r) {
@@ -447,8 +737,7 @@ struct Engine::Impl {
       }
     }
     info.grad_norm = std::sqrt(norm_sq);
-    const bool overflow = need_overflow && !std::isfinite(norm_sq);
-    if (overflow) {
+    if (need_overflow_check() && !std::isfinite(norm_sq)) {
       // fp16: skip the update, lower the scale (after `hysteresis` overflows), as DeepSpeed.
       info.skipped = true;
       if (s.static_loss_scale == 0 && --hysteresis_left <= 0) {
@@ -458,22 +747,33 @@ struct Engine::Impl {
       good_steps = 0;
       info.loss_scale = scale;
       info.step = steps;
-      return zero_gradients();
+      zero_gradients();
+      return Status::ok();
     }
     float coef = 1.0f;
-    if (need_norm && info.grad_norm > s.gradient_clipping) {
+    if (need_norm() && info.grad_norm > s.gradient_clipping) {
       coef = static_cast<float>(s.gradient_clipping / (info.grad_norm + 1e-6));
     }
-    ++steps;
-    kernels::AdamStepArgs args{.step = steps, .grad_scale = combined * coef};
-    // The optimizer walks the units as a pipeline: the reads of unit u+1 are in flight while u is
-    // updated, and u's write-back is in flight while u+1 is updated.
-    if (!unit_states.empty()) prefetch_optimizer(0);
-    for (size_t u = 0; u < unit_states.size(); ++u) {
-      if (u + 1 < unit_states.size()) prefetch_optimizer(u + 1);
-      ZINF_RETURN_IF_ERROR(update_unit(u, args));
+    const kernels::AdamStepArgs args{.step = steps + 1, .grad_scale = combined * coef};
+    // The optimizer walks the sub-groups as a pipeline: the reads of group g+1 are in flight
+    // while g is updated, and g's write-back is in flight while g+1 is updated. Units updated
+    // during the backward pass (overlap_optimizer) are skipped.
+    auto skipped = [&](size_t pi) { return pi < skip.size() && skip[pi]; };
+    std::vector<std::vector<size_t>> todo;
+    for (size_t g : walk) {
+      todo.emplace_back();
+      for (size_t pi : groups[g]) {
+        if (!skipped(pi)) todo.back().push_back(pi);
+      }
+      if (todo.back().empty()) todo.pop_back();
     }
-    ZINF_RETURN_IF_ERROR(zero_gradients());
+    if (!todo.empty()) prefetch_pieces(todo[0]);
+    for (size_t g = 0; g < todo.size(); ++g) {
+      if (g + 1 < todo.size()) prefetch_pieces(todo[g + 1]);
+      for (size_t pi : todo[g]) ZINF_RETURN_IF_ERROR(update_piece(pi, args));
+    }
+    ++steps;
+    zero_gradients();
     if (s.stage == 1 || s.stage == 2) ZINF_RETURN_IF_ERROR(gather_updated_parameters());
     if (s.dtype == DType::kF16 && s.static_loss_scale == 0 && ++good_steps >= s.loss_scale_window) {
       scale *= 2;
@@ -486,76 +786,118 @@ struct Engine::Impl {
     return finish_evictions();
   }
 
-  // Called at each gather: records the order, or follows it and prefetches the next units'
-  // parameters to the device (bounded by prefetch_units).
-  void schedule_gather(size_t u) {
-    if (recording) {
-      trace.push_back(u);
-      return;
+  // After a step the accumulators are zero; the bytes are written only when needed.
+  void zero_gradients() {
+    for (UnitState& st : unit_states) st.acc_zero = true;
+  }
+
+  // overlap_optimizer: pieces updated during the backward pass of this step.
+  std::vector<bool> done_early;
+
+  // Orders the optimizer's walk by when each group's gradients become final in the recorded
+  // trace: a group is ready once the last use of each of its units is past.
+  void plan_walk() {
+    walk_prefetched = 0;
+    for (UnitState& st : unit_states) st.grads_final = false;
+    if (!sched->following()) return;  // keep the order of the last recorded trace
+    const auto& trace = sched->trace();
+    std::vector<size_t> last_use(unit_states.size(), 0);
+    for (size_t i = 0; i < trace.size(); ++i) last_use[trace[i]] = i;
+    std::vector<size_t> ready(groups.size(), 0);
+    for (size_t g = 0; g < groups.size(); ++g) {
+      for (size_t pi : groups[g]) ready[g] = std::max(ready[g], last_use[pieces[pi].unit]);
     }
-    if (trace_pos >= trace.size() || trace[trace_pos] != u) {
-      log::warn_once("engine:trace",
-                     "the order of unit gathers differs from the recorded step; "
-                     "re-recording it (prefetching resumes after the next step)");
-      recording = true;
-      trace.clear();
-      trace.push_back(u);
-      return;
+    std::stable_sort(walk.begin(), walk.end(),
+                     [&](size_t a, size_t b) { return ready[a] < ready[b]; });
+  }
+
+  // During the backward pass: starts reading the state of the first groups of the walk whose
+  // gradients are all final, so that step() finds them in memory. At most
+  // kGroupsReadDuringBackward groups (the host budget was sized for three in flight).
+  void read_optimizer_ahead() {
+    while (walk_prefetched < std::min(kGroupsReadDuringBackward, walk.size())) {
+      const auto& group = groups[walk[walk_prefetched]];
+      for (size_t pi : group) {
+        if (!unit_states[pieces[pi].unit].grads_final) return;
+      }
+      prefetch_pieces(group);
+      ++walk_prefetched;
     }
-    ++trace_pos;
-    if (s.param_home == Tier::kDevice) return;  // resident anyway
-    for (size_t k = 0; k < s.prefetch_units && trace_pos + k < trace.size(); ++k) {
-      const UnitState& next = unit_states[trace[trace_pos + k]];
-      store->set_next_use(next.params, steps * trace.size() + trace_pos + k);
-      store->prefetch(next.params, Tier::kDevice);
-    }
+  }
+
+  // Hands unit u's update to the optimizer worker; its gradients are final for this step. (A
+  // group holding pieces of u and of other units is then updated partly early and partly in
+  // step(), which skips what was done.)
+  void start_early_update(size_t u) {
+    UnitState& st = unit_states[u];
+    st.updated_early = true;
+    ++updated_early;
+    done_early.resize(pieces.size(), false);
+    for (size_t pi : st.pieces) done_early[pi] = true;
+    const kernels::AdamStepArgs args{.step = steps + 1, .grad_scale = combined_scale()};
+    std::vector<size_t> mine = st.pieces;
+    worker->submit([this, mine, args]() -> Status {
+      prefetch_pieces(mine);
+      for (size_t pi : mine) ZINF_RETURN_IF_ERROR(update_piece(pi, args));
+      return Status::ok();
+    });
   }
 
   // Offloaded state does not stay above its home once used: write it back and drop the copy.
   void release_offloaded(TensorId id, Tier home, Tier where) {
     if (home == Tier::kNvme || (home == Tier::kHost && where == Tier::kDevice)) {
-      evictions.push_back(store->evict_async(id, where));
+      auto f = store->evict_async(id, where);
+      std::lock_guard lk(evictions_mu);
+      evictions.push_back(std::move(f));
     }
   }
 
   Status finish_evictions() {
+    std::vector<std::shared_future<Status>> mine;
+    {
+      std::lock_guard lk(evictions_mu);
+      mine.swap(evictions);
+    }
     Status first;
-    for (auto& f : evictions) {
+    for (auto& f : mine) {
       Status st = f.get();
       if (first.is_ok() && !st.is_ok()) first = std::move(st);
     }
-    evictions.clear();
     return first;
   }
 
-  Status update_unit(size_t u, const kernels::AdamStepArgs& args) {
-    UnitState& st = unit_states[u];
+  // Adam over one piece: its state and the unit's parameters where the update runs.
+  Status update_piece(size_t pi, const kernels::AdamStepArgs& args) {
+    const PieceState& p = pieces[pi];
+    UnitState& st = unit_states[p.unit];
     const Tier tier = compute_tier(st);
     ZINF_ASSIGN_OR_RETURN(TensorHandle params, store->acquire(st.params, tier));
     TensorHandle master;
     if (mixed) {
-      ZINF_ASSIGN_OR_RETURN(master, store->acquire(st.master, tier));
+      ZINF_ASSIGN_OR_RETURN(master, store->acquire(p.master, tier));
     }
-    ZINF_ASSIGN_OR_RETURN(TensorHandle m, store->acquire(st.m, tier));
-    ZINF_ASSIGN_OR_RETURN(TensorHandle v, store->acquire(st.v, tier));
-    ZINF_ASSIGN_OR_RETURN(TensorHandle acc, store->acquire(st.grad_acc, tier));
+    ZINF_ASSIGN_OR_RETURN(TensorHandle m, store->acquire(p.m, tier));
+    ZINF_ASSIGN_OR_RETURN(TensorHandle v, store->acquire(p.v, tier));
+    ZINF_ASSIGN_OR_RETURN(TensorHandle acc, store->acquire(p.acc, tier));
     const uint64_t wsize = dtype_size(s.dtype);
-    trace::Span span(track("cpu adam"), "adam " + units[u].name);
-    for (const zero::Segment& seg : zero::segments(st.layout, owned_begin(st), owned_end(st))) {
-      kernels::AdamConfig cfg = s.adam;
-      if (!seg.weight_decay) cfg.weight_decay = 0;
-      uint64_t si = state_index(st, seg.begin), pi = param_index(st, seg.begin);
-      kernels::AdamTensors t{
-          .param = mixed ? static_cast<float*>(master.data()) + si
-                         : static_cast<float*>(params.data()) + pi,
-          .m = static_cast<float*>(m.data()) + si,
-          .v = static_cast<float*>(v.data()) + si,
-          .grad = static_cast<const float*>(acc.data()) + acc_index(st, seg.begin),
-          .grad_dtype = DType::kF32,
-          .param_copy = mixed ? static_cast<char*>(params.data()) + pi * wsize : nullptr,
-          .copy_dtype = s.dtype,
-          .n = seg.end - seg.begin};
-      kernels::adam_step(cfg, args, t, s.optimizer_threads);
+    {
+      trace::Span span(track("cpu adam"), "adam " + units[p.unit].name);
+      for (const zero::Segment& seg : zero::segments(st.layout, p.begin, p.end)) {
+        kernels::AdamConfig cfg = s.adam;
+        if (!seg.weight_decay) cfg.weight_decay = 0;
+        const uint64_t si = seg.begin - p.begin, pidx = param_index(st, seg.begin);
+        kernels::AdamTensors t{
+            .param = mixed ? static_cast<float*>(master.data()) + si
+                           : static_cast<float*>(params.data()) + pidx,
+            .m = static_cast<float*>(m.data()) + si,
+            .v = static_cast<float*>(v.data()) + si,
+            .grad = static_cast<const float*>(acc.data()) + (seg.begin - p.acc_base),
+            .grad_dtype = DType::kF32,
+            .param_copy = mixed ? static_cast<char*>(params.data()) + pidx * wsize : nullptr,
+            .copy_dtype = s.dtype,
+            .n = seg.end - seg.begin};
+        kernels::adam_step(cfg, args, t, s.optimizer_threads);
+      }
     }
     params.mark_dirty();
     if (mixed) master.mark_dirty();
@@ -567,22 +909,27 @@ struct Engine::Impl {
     v.release();
     acc.release();
     if (tier != Tier::kDevice) {
-      release_offloaded(st.grad_acc, st.opt_home, tier);
-      release_offloaded(st.m, st.opt_home, tier);
-      release_offloaded(st.v, st.opt_home, tier);
-      if (mixed) release_offloaded(st.master, st.opt_home, tier);
+      if (p.owns_acc || p.last_of_unit) release_offloaded(p.acc, st.opt_home, tier);
+      release_offloaded(p.m, st.opt_home, tier);
+      release_offloaded(p.v, st.opt_home, tier);
+      if (mixed) release_offloaded(p.master, st.opt_home, tier);
     }
-    if (s.stage == 3) release_offloaded(st.params, s.param_home, tier);
+    if (s.stage == 3 && p.last_of_unit) release_offloaded(st.params, s.param_home, tier);
     return Status::ok();
   }
 
-  // Starts bringing unit u's optimizer state to where the update runs.
-  void prefetch_optimizer(size_t u) {
-    const UnitState& st = unit_states[u];
+  // Starts bringing a piece's optimizer state (and its unit's parameters) to where the update
+  // runs.
+  void prefetch_piece(size_t pi) {
+    const PieceState& p = pieces[pi];
+    const UnitState& st = unit_states[p.unit];
     const Tier tier = compute_tier(st);
-    for (TensorId id : {st.m, st.v, st.master, st.params, st.grad_acc}) {
+    for (TensorId id : {p.m, p.v, p.master, st.params, p.acc}) {
       if (id != kNoTensor) store->prefetch(id, tier);
     }
+  }
+  void prefetch_pieces(const std::vector<size_t>& which) {
+    for (size_t pi : which) prefetch_piece(pi);
   }
 
   // Stages 1-2: every rank updated its shard of the full parameters; share them.
@@ -617,7 +964,7 @@ UnitScope& UnitScope::operator=(UnitScope&& o) noexcept {
     unit_ = o.unit_;
     params_ = std::exchange(o.params_, nullptr);
     param_handle_ = std::move(o.param_handle_);
-    gathered_ = std::move(o.gathered_);
+    gathered_ = std::exchange(o.gathered_, false);
     grads_ = std::move(o.grads_);
     opened_ = o.opened_;
   }
@@ -647,6 +994,7 @@ Engine::Engine(const EngineSettings& settings, std::unique_ptr<Impl> impl)
 Engine::~Engine() {
   if (!impl_) return;
   (void)impl_->drain_pending();
+  if (impl_->worker) (void)impl_->worker->wait();
   // After a failure some reductions may still be in flight: their buffers belong to the
   // communicator until their Work completes.
   for (auto& p : impl_->pending) {
@@ -677,54 +1025,31 @@ Result<UnitScope> Engine::gather(size_t unit) {
                       s.unit_states.size());
   }
   Impl::UnitState& st = s.unit_states[unit];
-  s.schedule_gather(unit);
+  ZINF_RETURN_IF_ERROR(s.on_use(unit));
   UnitScope scope;
-  scope.engine_ = this;
   scope.unit_ = unit;
   scope.opened_ = trace::Clock::now();
-  if (st.persistent && st.gathered && st.gathered_at_step == s.steps) {
-    // Gathered earlier in this step and kept (stage3_param_persistence_threshold).
-    scope.params_ = st.gathered.data();
-    return scope;
-  }
-  ZINF_ASSIGN_OR_RETURN(TensorHandle h, s.store->acquire(st.params, Tier::kDevice));
   if (s.s.stage < 3) {
-    scope.params_ = h.data();
-    scope.param_handle_ = std::move(h);
+    ZINF_ASSIGN_OR_RETURN(scope.param_handle_, s.store->acquire(st.params, Tier::kDevice));
+    scope.params_ = scope.param_handle_.data();
+    scope.engine_ = this;
     return scope;
   }
-  const uint64_t wsize = dtype_size(s.s.dtype);
-  auto full =
-      st.persistent && st.gathered
-          ? Result<DeviceBuffer>(DeviceBuffer())
-          : s.store->allocate_device(st.layout.numel_padded * wsize, MemoryCategory::kParameters,
-                                     "gathered parameters of " + s.units[unit].name);
-  if (!full.is_ok()) {
-    scope.engine_ = nullptr;
-    return std::move(full).take_status().with_context("gathering unit " + s.units[unit].name);
-  }
-  void* into = *full ? full->data() : st.gathered.data();
-  comm::Work w = s.comm.all_gather(h.data(), into, st.layout.shard_numel, s.s.dtype);
-  s.comm_now.param_gather_elements += st.layout.numel_padded;
-  Status ws;
-  {
-    trace::Span span(s.track("comm"), "all-gather " + s.units[unit].name);
-    ws = w.wait();
-  }
-  if (!ws.is_ok()) {
-    scope.engine_ = nullptr;
-    return std::move(ws).with_context("gathering unit " + s.units[unit].name);
-  }
-  if (st.persistent) {
-    if (*full) st.gathered = std::move(full).value();
-    st.gathered_at_step = s.steps;
-    scope.params_ = st.gathered.data();
+  // Stage 3: the unit's gathered parameters, all-gathered now unless fetched ahead or kept.
+  if (st.gathered) {
+    ++(st.used_since_gather ? s.schedule_now.uses_served_kept : s.schedule_now.uses_served_ahead);
   } else {
-    scope.gathered_ = std::move(full).value();
-    scope.params_ = scope.gathered_.data();
+    ZINF_RETURN_IF_ERROR(s.start_gather(unit).with_context("gathering unit " + s.units[unit].name));
+    ++s.schedule_now.gathers_on_demand;
   }
-  h.release();
-  s.release_offloaded(st.params, s.s.param_home, Tier::kDevice);
+  ++st.scopes;
+  st.used_since_gather = true;
+  scope.gathered_ = true;
+  scope.engine_ = this;
+  // The next units' reads and all-gathers go out while this one's all-gather completes.
+  ZINF_RETURN_IF_ERROR(s.plan_ahead());
+  ZINF_RETURN_IF_ERROR(s.finish_gather(unit));
+  scope.params_ = st.gathered.data();
   return scope;
 }
 
@@ -753,8 +1078,14 @@ Status Engine::end_scope(UnitScope& scope) {
                     scope.opened_);
   }
   scope.param_handle_.release();
-  scope.gathered_.reset();
   scope.params_ = nullptr;
+  if (std::exchange(scope.gathered_, false)) {
+    Impl::UnitState& st = s.unit_states[scope.unit_];
+    // The last scope on the unit lets it go, unless it is persistent or reused soon.
+    if (--st.scopes == 0 && !st.persistent && !s.sched->keep(scope.unit_)) {
+      s.drop_live(scope.unit_);
+    }
+  }
   if (!scope.grads_) return Status::ok();
   return s.issue_reduction(scope.unit_, std::move(scope.grads_));
 }
@@ -769,6 +1100,10 @@ Status Engine::step() {
   last_comm_.counters = s.comm.counters();
   s.comm.reset_counters();
   s.comm_now = CommReport{};
+  last_schedule_ = s.schedule_now;
+  last_schedule_.following = s.sched->following();
+  last_schedule_.departures = s.sched->departures();
+  s.schedule_now = ScheduleReport{.sub_groups = s.groups.size()};
   return st;
 }
 
@@ -796,9 +1131,12 @@ Result<std::vector<float>> Engine::full_parameters(size_t unit) {
   std::vector<float> mine(l.shard_numel);
   uint64_t begin = l.shard_begin(s.rank);
   if (s.mixed) {
-    ZINF_ASSIGN_OR_RETURN(TensorHandle h, s.store->acquire(st.master, Tier::kHost));
-    std::memcpy(mine.data(), static_cast<float*>(h.data()) + s.state_index(st, begin),
-                l.shard_numel * 4);
+    for (size_t pi : st.pieces) {  // the pieces of this rank's shard
+      const Impl::PieceState& p = s.pieces[pi];
+      if (p.begin < begin || p.end > l.shard_end(s.rank)) continue;
+      ZINF_ASSIGN_OR_RETURN(TensorHandle h, s.store->acquire(p.master, Tier::kHost));
+      std::memcpy(mine.data() + (p.begin - begin), h.data(), (p.end - p.begin) * 4);
+    }
   } else {
     ZINF_ASSIGN_OR_RETURN(TensorHandle h, s.store->acquire(st.params, Tier::kHost));
     std::memcpy(mine.data(), static_cast<float*>(h.data()) + s.param_index(st, begin),

@@ -59,6 +59,11 @@ Result<EngineSettings> settings_from_config(const config::Config& c) {
   s.io_rings = static_cast<uint32_t>(std::max(c.aio.intra_op_parallelism, 1));
   s.optimizer_offload_ratio = c.zero.offload_optimizer.ratio;
   s.param_persistence_threshold = c.zero.stage3_param_persistence_threshold;
+  s.prefetch_bucket_elements = c.zero.stage3_prefetch_bucket_size;
+  s.max_live_elements = c.zero.stage3_max_live_parameters;
+  s.max_reuse_distance = c.zero.stage3_max_reuse_distance;
+  s.sub_group_elements = c.zero.sub_group_size;
+  s.overlap_optimizer = c.zinf.overlap_optimizer;
   return s;
 }
 

@@ -102,10 +102,17 @@ std::optional<size_t> Scheduler::next_use(size_t unit) const {
 
 bool Scheduler::keep(size_t unit) const {
   std::optional<size_t> next = next_use(unit);
-  if (!next || live_elements_ > options_.max_live_elements) return false;
-  uint64_t distance = 0;
-  for (size_t i = position_; i < *next; ++i) distance += elements_[trace_[i]];
-  return distance <= options_.max_reuse_distance && options_.max_reuse_distance > 0;
+  if (!next || options_.max_reuse_distance == 0) return false;
+  // The units used in between are gathered one after another while this one stays live: the
+  // largest of those not live already must fit beside what is live now.
+  uint64_t distance = 0, largest_between = 0;
+  for (size_t i = position_; i < *next; ++i) {
+    const size_t u = trace_[i];
+    distance += elements_[u];
+    if (!live_[u]) largest_between = std::max(largest_between, elements_[u]);
+  }
+  return distance <= options_.max_reuse_distance &&
+         live_elements_ + largest_between <= options_.max_live_elements;
 }
 
 }  // namespace zinf::sched

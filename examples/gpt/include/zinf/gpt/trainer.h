@@ -38,9 +38,11 @@ struct StepLog {
   double tokens_per_s = 0;
   bool skipped = false;
   double grad_norm = 0;
-  MemoryReport memory;     // rank 0
-  CommReport comm;         // rank 0
-  uint64_t nvme_read = 0;  // rank 0, this step
+  MemoryReport memory;             // rank 0
+  CommReport comm;                 // rank 0
+  ScheduleReport schedule;         // rank 0
+  size_t units_updated_early = 0;  // rank 0: updates overlapped with the backward pass
+  uint64_t nvme_read = 0;          // rank 0, this step
   uint64_t nvme_written = 0;
 };
 

@@ -149,6 +149,9 @@ struct ZinfConfig {
   uint64_t seed = 0;                    // parameter initialisation seed
   bool checksum = false;                // XXH3 per swapped extent, verified on every read
   uint64_t staging_bytes = 4ull << 20;  // NVMe <-> device staging piece; a multiple of 1 MiB
+  // Start each unit's optimizer update during the backward pass once its gradients are final
+  // (EngineSettings::overlap_optimizer).
+  bool overlap_optimizer = false;
 
   bool operator==(const ZinfConfig&) const = default;
 };

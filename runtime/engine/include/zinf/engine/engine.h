@@ -70,10 +70,30 @@ struct EngineSettings {
   uint64_t host_mem = 0;                // pinned-host budget in bytes; 0 = unlimited
   uint64_t staging_bytes = 2ull << 20;  // NVMe <-> device staging piece (multiple of 1 MiB)
   uint32_t staging_buffers = 4;         // staging pieces in flight per move
-  size_t prefetch_units = 2;            // stage 3 offload: units prefetched ahead along the trace
+  // The scheduler (stage 3; sizes in parameter elements, as DeepSpeed's keys). From the second
+  // step on, units are all-gathered ahead of use along the recorded order while the elements
+  // ahead stay below prefetch_bucket_elements (stage3_prefetch_bucket_size; 0 = none), and their
+  // shards are read from host or NVMe twice as far ahead. Units gathered at once (in use,
+  // fetched ahead or kept) stay within max_live_elements (stage3_max_live_parameters), and within
+  // half the device budget when one is set. A unit whose next use in the step comes within
+  // max_reuse_distance elements stays gathered (stage3_max_reuse_distance; 0 = never).
+  uint64_t prefetch_bucket_elements = 50'000'000;
+  uint64_t max_live_elements = 1'000'000'000;
+  uint64_t max_reuse_distance = 1'000'000'000;
   // Stage 3: units of at most this many parameters stay gathered on the device and are
   // all-gathered once per step instead of at every use (stage3_param_persistence_threshold).
   uint64_t param_persistence_threshold = 0;
+  // Optimizer sub-groups (sub_group_size, elements): each rank's optimizer state is cut into
+  // pieces of at most this many elements, packed into groups the optimizer walks as a pipeline
+  // (read group i+1, update group i, write back group i-1). With the optimizer offloaded and a
+  // host budget, groups are also capped at a third of what the budget holds. 0 = one per unit.
+  uint64_t sub_group_elements = 1'000'000'000;
+  // Start a unit's optimizer update as soon as its gradients are final in a step (its last use in
+  // the recorded order has been reduced), overlapping the rest of the backward pass. Only when
+  // nothing needs every gradient first: no clipping, no fp16 overflow check. Requires every step
+  // to use the units in the recorded order: gathering a unit again after its update started is
+  // an error.
+  bool overlap_optimizer = false;
   bool checksum = false;             // XXH3 per swapped 1 MiB block, verified on read
   uint32_t io_queue_depth = 32;      // aio.queue_depth
   uint64_t io_block_size = 1 << 20;  // aio.block_size
@@ -113,7 +133,7 @@ class UnitScope {
   size_t unit_ = 0;
   void* params_ = nullptr;
   TensorHandle param_handle_;  // stages 0-2: the resident full parameters
-  DeviceBuffer gathered_;      // stage 3: the all-gathered full parameters
+  bool gathered_ = false;      // stage 3: holds a use of the unit's gathered parameters
   DeviceBuffer grads_;
   std::chrono::steady_clock::time_point opened_;  // for the trace
 };
@@ -121,8 +141,22 @@ class UnitScope {
 struct StepInfo {
   int64_t step = 0;      // optimizer steps taken
   bool skipped = false;  // fp16 overflow: no update this step
-  double grad_norm = 0;  // global norm of the (unscaled, averaged) gradients
+  double grad_norm = 0;  // global norm of the (unscaled, averaged) gradients; 0 when not needed
   float loss_scale = 1;
+  // Units whose update started during the backward pass (overlap_optimizer).
+  size_t units_updated_early = 0;
+};
+
+// What the scheduler did over the last step.
+struct ScheduleReport {
+  bool following = false;           // the step followed a recorded order
+  uint64_t departures = 0;          // departures from the recorded order so far
+  uint64_t gathers_on_demand = 0;   // uses that issued their all-gather themselves
+  uint64_t gathers_ahead = 0;       // all-gathers issued ahead of their use
+  uint64_t uses_served_ahead = 0;   // uses whose all-gather had been issued ahead
+  uint64_t uses_served_kept = 0;    // uses of a unit kept gathered since an earlier use
+  uint64_t peak_live_elements = 0;  // most parameter elements gathered at once
+  size_t sub_groups = 0;            // optimizer sub-groups
 };
 
 struct MemoryReport {
@@ -158,6 +192,7 @@ class Engine {
   // What the tiered store moved so far (NVMe bytes read and written, evictions, ...).
   StoreStats store_stats() const;
   CommReport comm_report() const { return last_comm_; }
+  ScheduleReport schedule_report() const { return last_schedule_; }
   // Collective: every rank must call it. The unit's fp32 parameters (the master copy), whole.
   Result<std::vector<float>> full_parameters(size_t unit);
 
@@ -180,6 +215,7 @@ class Engine {
   std::unique_ptr<Impl> impl_;
   StepInfo last_step_;
   CommReport last_comm_;
+  ScheduleReport last_schedule_;
 };
 
 }  // namespace zinf

@@ -73,7 +73,8 @@ class Scheduler {
   // units of a window read_ahead_factor times the prefetch window. Empty unless following.
   std::vector<size_t> reads_ahead() const;
   // Whether `unit`, whose use just ended, should stay live: it is used again in this step within
-  // max_reuse_distance elements and the live elements are within bounds.
+  // max_reuse_distance elements, and the live elements plus the largest unit to be gathered
+  // before that reuse stay within max_live_elements.
   bool keep(size_t unit) const;
   // Position in the trace of the next use of `unit` after the current one (nullopt: not used
   // again this step, or not following).

@@ -1,0 +1,258 @@
+// The scheduler in the engine: units all-gathered ahead along the recorded order, kept between
+// close uses, bounded by the live budget; optimizer sub-groups; updates overlapped with the
+// backward pass. None of it may change a bit of the result.
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "../io/test_dir.h"
+#include "mlp.h"
+
+namespace zinf {
+namespace {
+
+using testing::MlpShape;
+using testing::RunResult;
+using testing::train_local;
+
+bool same_bits(const RunResult& a, const RunResult& b) {
+  if (a.params.empty() || a.params.size() != b.params.size()) return false;
+  for (size_t u = 0; u < a.params.size(); ++u) {
+    if (a.params[u].size() != b.params[u].size() ||
+        std::memcmp(a.params[u].data(), b.params[u].data(), a.params[u].size() * 4) != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+EngineSettings stage3() {
+  EngineSettings s;
+  s.stage = 3;
+  s.adam.lr = 0.01f;
+  s.gradient_clipping = 0.5f;
+  return s;
+}
+
+uint64_t padded_elements(const MlpShape& shape, int world, size_t unit) {
+  return zero::make_shard_layout(testing::mlp_units(shape)[unit], world, DType::kF32)
+      ->numel_padded;
+}
+
+// The MLP's step uses units 0, 1, 2 (forward) then 2, 1, 0 (backward).
+TEST(Schedule, PrefetchAndReuseFollowTheTraceAndKeepTheBits) {
+  const MlpShape shape;
+  const int world = 2;
+  uint64_t P = 0;
+  for (size_t u = 0; u < 3; ++u) P += padded_elements(shape, world, u);
+
+  EngineSettings off = stage3();
+  off.prefetch_bucket_elements = 0;
+  off.max_reuse_distance = 0;
+  RunResult plain = train_local(off, world, 3, 2, shape);
+  ASSERT_TRUE(plain.status.is_ok()) << plain.status.to_string();
+  EXPECT_EQ(plain.schedule[0].gathers_on_demand, 6u);
+  EXPECT_EQ(plain.schedule[0].gathers_ahead, 0u);
+  EXPECT_EQ(plain.comm[0].param_gather_elements, 2 * P);
+
+  // Defaults (DeepSpeed's): everything ahead is gathered ahead, every unit is kept until its
+  // backward use. One all-gather per unit per step.
+  RunResult sched = train_local(stage3(), world, 3, 2, shape);
+  ASSERT_TRUE(sched.status.is_ok()) << sched.status.to_string();
+  EXPECT_TRUE(same_bits(plain, sched));
+  for (int r = 0; r < world; ++r) {
+    const ScheduleReport& rep = sched.schedule[r];
+    EXPECT_TRUE(rep.following);
+    EXPECT_EQ(rep.departures, 0u);
+    EXPECT_EQ(rep.gathers_on_demand, 1u) << "unit 0's first use";
+    EXPECT_EQ(rep.gathers_ahead, 2u) << "units 1 and 2, issued at unit 0's use";
+    EXPECT_EQ(rep.uses_served_ahead, 2u);
+    EXPECT_EQ(rep.uses_served_kept, 3u) << "every backward use";
+    EXPECT_EQ(rep.peak_live_elements, P);
+    EXPECT_EQ(sched.comm[r].param_gather_elements, P);
+  }
+
+  // Reuse only within one unit's distance: unit 2 is used twice in a row (distance 0), unit 1
+  // has unit 2 in between, unit 0 has 1, 2, 2, 1.
+  EngineSettings near = stage3();
+  near.prefetch_bucket_elements = 0;
+  near.max_reuse_distance = 2 * padded_elements(shape, world, 2);
+  RunResult kept = train_local(near, world, 3, 2, shape);
+  ASSERT_TRUE(kept.status.is_ok());
+  EXPECT_TRUE(same_bits(plain, kept));
+  EXPECT_EQ(kept.schedule[0].uses_served_kept, 2u) << "units 2 and 1";
+  EXPECT_EQ(kept.schedule[0].gathers_on_demand, 4u);
+}
+
+TEST(Schedule, TheLiveBoundLimitsWhatIsGatheredAhead) {
+  const MlpShape shape{.dims = {32, 256, 256, 256, 8}};
+  const int world = 2;
+  const uint64_t big = padded_elements(shape, world, 1);  // units 1 and 2 are the large ones
+  EngineSettings s = stage3();
+  s.max_reuse_distance = 0;
+  s.max_live_elements = big + padded_elements(shape, world, 0);  // never two large ones at once
+  RunResult bounded = train_local(s, world, 3, 1, shape);
+  ASSERT_TRUE(bounded.status.is_ok()) << bounded.status.to_string();
+  for (int r = 0; r < world; ++r) {
+    EXPECT_LE(bounded.schedule[r].peak_live_elements, s.max_live_elements);
+    EXPECT_GT(bounded.schedule[r].gathers_ahead, 0u);
+  }
+  EngineSettings off = s;
+  off.prefetch_bucket_elements = 0;
+  RunResult plain = train_local(off, world, 3, 1, shape);
+  ASSERT_TRUE(plain.status.is_ok());
+  EXPECT_TRUE(same_bits(plain, bounded));
+}
+
+// A step that uses the units in another order (here: an extra forward pass before the update,
+// as an evaluation would) is a departure: reported, re-recorded, and the results do not change.
+TEST(Schedule, ADepartureFromTheTraceChangesNothing) {
+  const MlpShape shape;
+  auto extra_forward = [&](Engine& e, int step) {
+    if (step != 1) return;
+    for (size_t u = 0; u < e.unit_count(); ++u) {
+      auto scope = e.gather(u);
+      ASSERT_TRUE(scope.is_ok()) << scope.status().to_string();
+    }
+  };
+  EngineSettings off = stage3();
+  off.prefetch_bucket_elements = 0;
+  off.max_reuse_distance = 0;
+  RunResult plain = train_local(off, 2, 4, 2, shape, extra_forward);
+  RunResult sched = train_local(stage3(), 2, 4, 2, shape, extra_forward);
+  ASSERT_TRUE(plain.status.is_ok() && sched.status.is_ok()) << sched.status.to_string();
+  EXPECT_TRUE(same_bits(plain, sched));
+  EXPECT_EQ(sched.schedule[0].departures, 2u) << "the extra uses, then the step without them";
+  EXPECT_TRUE(sched.schedule[0].following) << "re-recorded and followed again";
+}
+
+// sub_group_size cuts the optimizer state into pieces; the global norm is summed in fixed
+// blocks, so neither the cut nor the stage changes a bit. With NVMe offload the pieces are the
+// unit of traffic.
+TEST(Schedule, SubGroupsKeepTheBitsAtEveryStage) {
+  zinf::testing::TempDir nvme;
+  const MlpShape shape{.dims = {32, 256, 256, 8}};
+  const int world = 2;
+  RunResult reference;
+  for (int stage : {0, 1, 2, 3}) {
+    for (uint64_t sub_group : {uint64_t{0}, uint64_t{4096}, uint64_t{1'000'000'000}}) {
+      for (Tier home : {Tier::kDevice, Tier::kNvme}) {
+        if (home == Tier::kNvme && stage == 0) continue;
+        EngineSettings s = stage3();
+        s.stage = stage;
+        s.sub_group_elements = sub_group;
+        s.optimizer_home = home;
+        s.nvme_paths = {nvme.path()};
+        RunResult r = train_local(s, world, 3, 2, shape);
+        ASSERT_TRUE(r.status.is_ok()) << r.status.to_string();
+        if (reference.params.empty()) {
+          reference = r;
+        } else {
+          EXPECT_TRUE(same_bits(reference, r))
+              << "stage " << stage << " sub_group " << sub_group << " home " << tier_name(home);
+        }
+        // Unit 1 (65792 elements, 32896 per rank) is cut in 4096-element pieces.
+        const size_t groups = r.schedule[0].sub_groups;
+        if (sub_group == 4096) {
+          EXPECT_GE(groups, (stage == 0 ? 65792u : 32896u) / 4096) << "stage " << stage;
+        } else if (sub_group == 0) {
+          EXPECT_EQ(groups, 3u);
+        } else {
+          EXPECT_EQ(groups, 1u) << "everything fits one group of 1e9";
+        }
+      }
+    }
+  }
+}
+
+// Under a host budget the sub-groups are capped at a third of it, so the optimizer pipeline
+// holds at most three groups of state in host memory.
+TEST(Schedule, SubGroupsFitTheHostBudget) {
+  zinf::testing::TempDir nvme;
+  const MlpShape shape{.dims = {64, 1024, 1024, 1024, 8}};
+  EngineSettings s = stage3();
+  s.optimizer_home = Tier::kNvme;
+  s.param_home = Tier::kNvme;
+  s.nvme_paths = {nvme.path()};
+  s.staging_bytes = 1 << 20;
+  s.staging_buffers = 2;
+  s.host_mem = 12 << 20;  // one unit's state per rank is 8.4 MB: it must be cut
+  RunResult r = train_local(s, 2, 2, 1, shape);
+  ASSERT_TRUE(r.status.is_ok()) << r.status.to_string();
+  EXPECT_GT(r.schedule[0].sub_groups, 4u);
+  EXPECT_LE(r.memory[0].tiers[static_cast<int>(Tier::kHost)].peak, s.host_mem);
+  EngineSettings plain = stage3();
+  RunResult ref = train_local(plain, 2, 2, 1, shape);
+  ASSERT_TRUE(ref.status.is_ok());
+  EXPECT_TRUE(same_bits(ref, r));
+}
+
+// overlap_optimizer: without clipping, each unit's update starts once its gradients are final,
+// while the backward pass goes on; the results are the same bits.
+TEST(Schedule, OverlappedUpdatesKeepTheBits) {
+  zinf::testing::TempDir nvme;
+  const MlpShape shape{.dims = {32, 256, 256, 8}};
+  for (int stage : {0, 1, 2, 3}) {
+    for (DType dt : {DType::kF32, DType::kBF16}) {
+      for (Tier home : {Tier::kDevice, Tier::kNvme}) {
+        if (home == Tier::kNvme && stage == 0) continue;
+        EngineSettings s = stage3();
+        s.stage = stage;
+        s.dtype = dt;
+        s.gradient_clipping = 0;
+        s.gradient_accumulation_steps = 2;
+        s.optimizer_home = home;
+        s.param_home = stage == 3 ? home : Tier::kDevice;
+        s.nvme_paths = {nvme.path()};
+        s.sub_group_elements = 8192;
+        RunResult plain = train_local(s, 2, 4, 1, shape);
+        s.overlap_optimizer = true;
+        RunResult early = train_local(s, 2, 4, 1, shape);
+        ASSERT_TRUE(plain.status.is_ok() && early.status.is_ok()) << early.status.to_string();
+        EXPECT_TRUE(same_bits(plain, early))
+            << "stage " << stage << " " << dtype_name(dt) << " " << tier_name(home);
+        ASSERT_EQ(early.info.size(), 4u);
+        EXPECT_EQ(early.info[0].units_updated_early, 0u) << "the first step records";
+        EXPECT_EQ(early.info[3].units_updated_early, 3u) << "every unit, from the second step";
+        EXPECT_EQ(plain.info[3].units_updated_early, 0u);
+      }
+    }
+  }
+}
+
+TEST(Schedule, OverlapWaitsForClippingAndFp16) {
+  for (bool fp16 : {false, true}) {
+    EngineSettings s = stage3();
+    s.overlap_optimizer = true;
+    s.gradient_clipping = fp16 ? 0 : 0.5f;
+    s.dtype = fp16 ? DType::kF16 : DType::kF32;
+    RunResult r = train_local(s, 2, 3, 2);
+    ASSERT_TRUE(r.status.is_ok()) << r.status.to_string();
+    EXPECT_EQ(r.info.back().units_updated_early, 0u) << "the update needs every gradient first";
+  }
+}
+
+// With overlapped updates, using a unit again after its update started would read updated
+// parameters in the same step: that is an error naming the unit, not a silent change.
+TEST(Schedule, UsingAUnitAfterItsOverlappedUpdateIsAnError) {
+  EngineSettings s = stage3();
+  s.gradient_clipping = 0;
+  s.overlap_optimizer = true;
+  auto group = comm::make_local_group(1).value();
+  auto engine = Engine::create(s, *group[0], testing::mlp_units({}), testing::mlp_init).value();
+  const std::vector<uint64_t> samples = {0, 1};
+  for (int step = 0; step < 2; ++step) {
+    ASSERT_TRUE(testing::mlp_micro_step(*engine, {}, samples).is_ok());
+    ASSERT_TRUE(engine->step().is_ok());
+  }
+  ASSERT_TRUE(testing::mlp_micro_step(*engine, {}, samples).is_ok());
+  auto again = engine->gather(0);
+  ASSERT_FALSE(again.is_ok());
+  EXPECT_NE(again.status().message().find("layer0"), std::string::npos)
+      << again.status().message();
+  EXPECT_NE(again.status().message().find("after its optimizer update"), std::string::npos);
+  EXPECT_TRUE(engine->step().is_ok()) << "the step itself completes";
+}
+
+}  // namespace
+}  // namespace zinf
