@@ -269,6 +269,8 @@ class IoEngine::Ring {
     }
     if (op->p.file_slot >= 0) sqe->flags |= IOSQE_FIXED_FILE;
     io_uring_sqe_set_data(sqe, c);
+    // aio.single_submit: every chunk goes to the kernel on its own (one system call each).
+    if (engine_.options_.single_submit) io_uring_submit(&ring_);
   }
 
   void on_chunk_result(Chunk* c, int res) {

@@ -35,8 +35,7 @@ EngineSettings stage3() {
 }
 
 uint64_t padded_elements(const MlpShape& shape, int world, size_t unit) {
-  return zero::make_shard_layout(testing::mlp_units(shape)[unit], world, DType::kF32)
-      ->numel_padded;
+  return zero::make_shard_layout(testing::mlp_units(shape)[unit], world, DType::kF32)->numel_padded;
 }
 
 // The MLP's step uses units 0, 1, 2 (forward) then 2, 1, 0 (backward).
@@ -143,6 +142,9 @@ TEST(Schedule, SubGroupsKeepTheBitsAtEveryStage) {
         s.sub_group_elements = sub_group;
         s.optimizer_home = home;
         s.nvme_paths = {nvme.path()};
+        // DeepSpeed's pipeline switches change the timing, never the result.
+        s.pipeline_read = sub_group != 4096;
+        s.pipeline_write = sub_group == 0;
         RunResult r = train_local(s, world, 3, 2, shape);
         ASSERT_TRUE(r.status.is_ok()) << r.status.to_string();
         if (reference.params.empty()) {
@@ -248,8 +250,7 @@ TEST(Schedule, UsingAUnitAfterItsOverlappedUpdateIsAnError) {
   ASSERT_TRUE(testing::mlp_micro_step(*engine, {}, samples).is_ok());
   auto again = engine->gather(0);
   ASSERT_FALSE(again.is_ok());
-  EXPECT_NE(again.status().message().find("layer0"), std::string::npos)
-      << again.status().message();
+  EXPECT_NE(again.status().message().find("layer0"), std::string::npos) << again.status().message();
   EXPECT_NE(again.status().message().find("after its optimizer update"), std::string::npos);
   EXPECT_TRUE(engine->step().is_ok()) << "the step itself completes";
 }

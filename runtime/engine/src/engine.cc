@@ -284,13 +284,15 @@ struct Engine::Impl {
     if (nvme) {
       ZINF_ASSIGN_OR_RETURN(io, io::IoEngine::create({.queue_depth = s.io_queue_depth,
                                                       .block_size = s.io_block_size,
-                                                      .rings = s.io_rings}));
+                                                      .rings = s.io_rings,
+                                                      .single_submit = s.io_single_submit}));
       std::vector<std::string> dirs = s.nvme_paths;
       ZINF_ASSIGN_OR_RETURN(
           swap, io::SwapSpace::create(*io, {.directories = dirs, .checksum = s.checksum}));
     }
     pool = std::make_unique<PinnedPool>(
         PinnedPoolOptions{.budget_bytes = s.host_mem ? s.host_mem : kUnlimited,
+                          .pin = s.pin_memory,
                           .engine = io.get(),
                           .ledger = &ledger});
     ZINF_ASSIGN_OR_RETURN(store, TieredTensorStore::create({.device = device.get(),
@@ -621,7 +623,7 @@ struct Engine::Impl {
       st.grads_final = true;
       if (worker && can_update_early()) {
         start_early_update(p.unit);
-      } else {
+      } else if (s.pipeline_read) {
         read_optimizer_ahead();
       }
     }
@@ -767,10 +769,11 @@ struct Engine::Impl {
       }
       if (todo.back().empty()) todo.pop_back();
     }
-    if (!todo.empty()) prefetch_pieces(todo[0]);
+    if (!todo.empty() && s.pipeline_read) prefetch_pieces(todo[0]);
     for (size_t g = 0; g < todo.size(); ++g) {
-      if (g + 1 < todo.size()) prefetch_pieces(todo[g + 1]);
+      if (g + 1 < todo.size() && s.pipeline_read) prefetch_pieces(todo[g + 1]);
       for (size_t pi : todo[g]) ZINF_RETURN_IF_ERROR(update_piece(pi, args));
+      if (!s.pipeline_write) ZINF_RETURN_IF_ERROR(finish_evictions());
     }
     ++steps;
     zero_gradients();

@@ -57,6 +57,16 @@ Result<EngineSettings> settings_from_config(const config::Config& c) {
   s.io_queue_depth = static_cast<uint32_t>(std::max(c.aio.queue_depth, 1));
   s.io_block_size = c.aio.block_size;
   s.io_rings = static_cast<uint32_t>(std::max(c.aio.intra_op_parallelism, 1));
+  s.io_single_submit = c.aio.single_submit;
+  const config::OffloadConfig& param = c.zero.offload_param;
+  const config::OffloadConfig& optim = c.zero.offload_optimizer;
+  s.pin_memory = (param.enabled() && param.pin_memory) || (optim.enabled() && optim.pin_memory);
+  // Staging pieces in flight per move: the parameter block's buffers when parameters are
+  // offloaded (they are what moves to the device), else the optimizer block's.
+  s.staging_buffers = static_cast<uint32_t>(
+      std::max<int64_t>(param.enabled() ? param.buffer_count : optim.buffer_count, 2));
+  s.pipeline_read = optim.pipeline_read;
+  s.pipeline_write = optim.pipeline_write;
   s.optimizer_offload_ratio = c.zero.offload_optimizer.ratio;
   s.param_persistence_threshold = c.zero.stage3_param_persistence_threshold;
   s.prefetch_bucket_elements = c.zero.stage3_prefetch_bucket_size;

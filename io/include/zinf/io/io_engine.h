@@ -43,6 +43,9 @@ struct IoEngineOptions {
   uint32_t max_registered_buffers = 64;
   uint32_t max_registered_files = 256;
   uint32_t max_retries = 1000;  // -EAGAIN/-EINTR resubmissions of one chunk before failing
+  // Submit each chunk with its own io_uring_enter instead of batching the chunks prepared
+  // together (DeepSpeed's aio.single_submit; slower, kept for comparison).
+  bool single_submit = false;
 };
 
 struct IoRequest {

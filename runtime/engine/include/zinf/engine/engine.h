@@ -98,7 +98,14 @@ struct EngineSettings {
   uint32_t io_queue_depth = 32;      // aio.queue_depth
   uint64_t io_block_size = 1 << 20;  // aio.block_size
   uint32_t io_rings = 1;             // aio.intra_op_parallelism
-  int optimizer_threads = 0;         // CPU Adam threads; 0 = all
+  bool io_single_submit = false;     // aio.single_submit
+  bool pin_memory = true;            // host tier page-locked (offload_*.pin_memory)
+  // The optimizer pipeline (offload_optimizer.pipeline_read / pipeline_write): read the next
+  // sub-group's state while one is updated (and the first groups' during the backward pass),
+  // and write an updated group back while the next is updated. Off: each waits its turn.
+  bool pipeline_read = true;
+  bool pipeline_write = true;
+  int optimizer_threads = 0;  // CPU Adam threads; 0 = all
   uint64_t seed = 0;
 };
 
