@@ -257,3 +257,82 @@ TEST(Schedule, UsingAUnitAfterItsOverlappedUpdateIsAnError) {
 
 }  // namespace
 }  // namespace zinf
+
+#include "zinf/io/fault.h"
+
+namespace zinf {
+namespace {
+
+// A read error half-way through the optimizer walk: step() fails naming what it was reading, the
+// engine refuses to go on until step() is called again, and that call finishes the update
+// without repeating the pieces already done: the run ends on the same bits as one without the
+// fault.
+TEST(Schedule, AStepThatFailsHalfWayIsFinishedByTheNextStep) {
+  zinf::testing::TempDir nvme;
+  const MlpShape shape{.dims = {32, 256, 256, 8}};
+  EngineSettings s = stage3();
+  s.gradient_clipping = 0;
+  s.optimizer_home = Tier::kNvme;
+  s.nvme_paths = {nvme.path()};
+  s.sub_group_elements = 4096;
+  RunResult clean = train_local(s, 1, 4, 2, shape);
+  ASSERT_TRUE(clean.status.is_ok()) << clean.status.to_string();
+
+  auto group = comm::make_local_group(1).value();
+  auto engine = Engine::create(s, *group[0], testing::mlp_units(shape), testing::mlp_init).value();
+  const std::vector<uint64_t> samples = {0, 1};
+  for (int step = 0; step < 4; ++step) {
+    ASSERT_TRUE(testing::mlp_micro_step(*engine, shape, samples).is_ok());
+    if (step != 2) {
+      ASSERT_TRUE(engine->step().is_ok());
+      continue;
+    }
+    io::FaultInjector::global().add({.op = io::IoOp::kRead, .nth = 20, .and_after = true});
+    Status failed = engine->step();
+    io::FaultInjector::global().clear();
+    ASSERT_FALSE(failed.is_ok());
+    EXPECT_NE(failed.message().find("swap-"), std::string::npos) << failed.message();
+    auto refused = engine->gather(0);
+    ASSERT_FALSE(refused.is_ok()) << "some pieces were updated: the step must be finished first";
+    EXPECT_NE(refused.status().message().find("call step() again"), std::string::npos)
+        << refused.status().message();
+    ASSERT_TRUE(engine->step().is_ok());
+  }
+  for (size_t u = 0; u < engine->unit_count(); ++u) {
+    auto p = engine->full_parameters(u);
+    ASSERT_TRUE(p.is_ok());
+    EXPECT_EQ(std::memcmp(p->data(), clean.params[u].data(), p->size() * 4), 0) << "unit " << u;
+  }
+}
+
+// An engine destroyed in the middle of a step, with all-gathers issued ahead still in flight,
+// waits for them before freeing their buffers (and does not hang).
+TEST(Schedule, DestroyingTheEngineMidStepWaitsForGathersAhead) {
+  auto group = comm::make_local_group(2).value();
+  std::vector<std::thread> ranks;
+  std::vector<Status> status(2);
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      auto engine = Engine::create(stage3(), *group[r], testing::mlp_units({}), testing::mlp_init);
+      if (!engine.is_ok()) {
+        status[r] = engine.status();
+        return;
+      }
+      const std::vector<uint64_t> samples = {static_cast<uint64_t>(r)};
+      for (int step = 0; step < 2; ++step) {
+        if (!testing::mlp_micro_step(**engine, {}, samples).is_ok() || !(*engine)->step().is_ok()) {
+          status[r] = make_error(ErrorCode::kInternal, "training failed");
+          return;
+        }
+      }
+      auto scope = (*engine)->gather(0);  // issues the all-gathers of units 1 and 2 ahead
+      if (!scope.is_ok()) status[r] = scope.status();
+    });  // the scope, then the engine, go out of scope here
+  }
+  for (auto& t : ranks) t.join();
+  EXPECT_TRUE(status[0].is_ok()) << status[0].to_string();
+  EXPECT_TRUE(status[1].is_ok()) << status[1].to_string();
+}
+
+}  // namespace
+}  // namespace zinf

@@ -143,11 +143,16 @@ TEST(Scheduler, AStepEndingEarlyIsADeparture) {
   EXPECT_EQ(s.trace(), kStep);
 }
 
-TEST(Scheduler, AStepWithoutUsesRecordsNothing) {
+TEST(Scheduler, AStepWithoutUsesChangesNothing) {
   Scheduler s({}, {100});
   EXPECT_TRUE(s.on_step_end());
   EXPECT_FALSE(s.following());
   EXPECT_EQ(s.on_use(0), Use::kRecording);
+  EXPECT_TRUE(s.on_step_end());
+  EXPECT_TRUE(s.following());
+  EXPECT_TRUE(s.on_step_end()) << "a retried step() without uses is not a departure";
+  EXPECT_TRUE(s.following());
+  EXPECT_EQ(s.departures(), 0u);
 }
 
 }  // namespace

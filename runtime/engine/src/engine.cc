@@ -151,13 +151,14 @@ struct Engine::Impl {
     comm::Work gather_work;
     bool gather_in_flight = false;
     trace::Clock::time_point gather_issued;
-    int scopes = 0;                  // open scopes using `gathered`
+    int scopes = 0;                  // open scopes on the unit (stage 3: using `gathered`)
     bool used_since_gather = false;  // for the schedule report
     // The unit's gradients are final for this step: its last use in the recorded order has been
     // reduced (known only while the step follows the trace).
     bool grads_final = false;
-    // overlap_optimizer: its update was handed to the optimizer worker.
-    bool updated_early = false;
+    // overlap_optimizer: its final reduction of the step was issued and its update goes to the
+    // optimizer worker once the reduction completes; the unit must not be used again this step.
+    bool final_issued = false;
   };
   std::vector<UnitState> unit_states;
 
@@ -171,8 +172,7 @@ struct Engine::Impl {
     // ranks hold full gradients) the unit's one full accumulator, shared by its pieces.
     TensorId acc = kNoTensor;
     uint64_t acc_base = 0;  // flat index of the accumulator's element 0
-    bool last_of_unit = false;
-    bool owns_acc = true;  // false for a shared accumulator
+    bool owns_acc = true;   // false for a shared accumulator
   };
   std::vector<PieceState> pieces;
   std::vector<std::vector<size_t>> groups;  // sub-groups of pieces, in declaration order
@@ -182,6 +182,9 @@ struct Engine::Impl {
   std::vector<size_t> walk;
   size_t walk_prefetched = 0;  // groups of `walk` whose state was read ahead during backward
   static constexpr size_t kGroupsReadDuringBackward = 2;
+  // Whether those reads fit beside the gradient accumulators the backward pass fills: when they
+  // do not, the host budget would evict the (clean) state just read, and it would be read twice.
+  bool read_during_backward = false;
 
   // Reductions issued at scope end, accumulated when they complete (in issue order).
   struct Pending {
@@ -193,13 +196,18 @@ struct Engine::Impl {
   };
   std::deque<Pending> pending;
   Status sticky;  // an error from a scope's destructor, reported by the next call
+  // Pieces whose update of the step being made is done (early on the worker, or in step()).
+  // Cleared when the step is committed; a step() that fails keeps it, and the next step()
+  // finishes the update without repeating what was done.
+  std::vector<uint8_t> updated;
+  bool update_incomplete = false;  // a step() failed after updating part of the state
 
   std::unique_ptr<sched::Scheduler> sched;
   ScheduleReport schedule_now;  // counts since the last step
   std::mutex evictions_mu;
   std::vector<std::shared_future<Status>> evictions;  // write-backs in flight
   std::unique_ptr<OptimizerWorker> worker;            // overlap_optimizer only
-  size_t updated_early = 0;
+  size_t updated_early = 0;                           // units handed to the worker in this step
 
   // Step state.
   int64_t steps = 0;
@@ -333,10 +341,17 @@ struct Engine::Impl {
     const sched::SubGroupPlan plan =
         sched::plan_sub_groups(owned, sub_group_limit(), kernels::kSumSquaresBlockElems);
     groups = plan.groups;
+    updated.assign(plan.pieces.size(), 0);
     for (size_t g = 0; g < groups.size(); ++g) walk.push_back(g);
     schedule_now.sub_groups = groups.size();
     if (s.overlap_optimizer) worker = std::make_unique<OptimizerWorker>();
 
+    uint64_t acc_bytes = 0, largest_group = 0;  // offloaded accumulators; elements
+    for (const auto& g : groups) {
+      uint64_t n = 0;
+      for (size_t pi : g) n += plan.pieces[pi].range.size();
+      largest_group = std::max(largest_group, n);
+    }
     for (size_t u = 0; u < units.size(); ++u) {
       UnitState st;
       st.layout = layouts[u];
@@ -368,7 +383,6 @@ struct Engine::Impl {
       for (size_t k = 0; k < mine.size(); ++k) {
         const sched::Piece& src = plan.pieces[mine[k]];
         PieceState p{.unit = u, .begin = src.range.begin, .end = src.range.end};
-        p.last_of_unit = k + 1 == mine.size();
         const uint64_t n = p.end - p.begin;
         // "layer0.adam_m", or "layer0.adam_m.1" when the unit's state is in several pieces.
         auto tensor_name = [&](const char* what) {
@@ -398,9 +412,18 @@ struct Engine::Impl {
         st.pieces.push_back(pieces.size());
         pieces.push_back(p);
       }
+      if (st.opt_home != Tier::kDevice) {
+        acc_bytes += (s.stage == 1 ? st.layout.numel_padded : st.layout.shard_numel) * 4;
+      }
       unit_states.push_back(std::move(st));
       ZINF_RETURN_IF_ERROR(initialise(u));
     }
+    // Per element read ahead: m, v, the fp32 master (mixed) and the stage-3 parameter shard.
+    const uint64_t read_per_element = (mixed ? 12 : 8) + (s.stage == 3 ? wsize : 0);
+    read_during_backward =
+        s.pipeline_read &&
+        (s.host_mem == 0 ||
+         acc_bytes + kGroupsReadDuringBackward * largest_group * read_per_element <= s.host_mem);
     return Status::ok();
   }
 
@@ -445,7 +468,13 @@ struct Engine::Impl {
 
   // Called at each gather, before anything is fetched.
   Status on_use(size_t u) {
-    if (unit_states[u].updated_early) {
+    if (update_incomplete) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "the last step() failed after updating part of the optimizer state; call "
+                        "step() again to finish the update before using unit {}",
+                        units[u].name);
+    }
+    if (unit_states[u].final_issued) {
       return make_error(ErrorCode::kInvalidArgument,
                         "unit {} is used again after its optimizer update started in this step "
                         "(overlap_optimizer needs every step to use the units in the recorded "
@@ -508,7 +537,10 @@ struct Engine::Impl {
   // owns the buffer until it completes).
   void drop_live(size_t u) {
     UnitState& st = unit_states[u];
-    if (st.gather_in_flight) (void)finish_gather(u);
+    if (st.gather_in_flight) {
+      Status ws = finish_gather(u);  // (which drops the unit itself when it failed)
+      if (!ws.is_ok() && sticky.is_ok()) sticky = std::move(ws);
+    }
     st.gathered.reset();
     sched->set_live(u, false);
   }
@@ -548,7 +580,8 @@ struct Engine::Impl {
     Pending p{.unit = u, .grads = std::move(grads)};
     // overlap_optimizer: the unit is not used again in this step, so this reduction completes its
     // gradients.
-    p.final = sched->following() && !sched->next_use(u);
+    p.final = sched->following() && !sched->next_use(u) && st.scopes == 0;
+    if (p.final && worker && can_update_early()) st.final_issued = true;
     if (s.stage >= 1) {
       ZINF_ASSIGN_OR_RETURN(p.shard,
                             store->allocate_device(l.shard_numel * wsize, MemoryCategory::kBuffers,
@@ -621,9 +654,9 @@ struct Engine::Impl {
     st.acc_zero = false;
     if (p.final) {
       st.grads_final = true;
-      if (worker && can_update_early()) {
+      if (st.final_issued) {
         start_early_update(p.unit);
-      } else if (s.pipeline_read) {
+      } else if (read_during_backward) {
         read_optimizer_ahead();
       }
     }
@@ -704,22 +737,42 @@ struct Engine::Impl {
     return Status::ok();
   }
 
-  Status step(StepInfo& info) {
-    ZINF_RETURN_IF_ERROR(drain_pending());
-    // Whatever runs early must be done before anything else reads the state.
-    Status early = worker ? worker->wait() : Status::ok();
-    const std::vector<bool> skip = std::exchange(done_early, {});
-    info.units_updated_early = updated_early;
-    updated_early = 0;
-    for (UnitState& st : unit_states) st.updated_early = false;
+  // Settles what the backward pass left in flight: reductions, overlapped updates, gathered
+  // units; and closes the step in the scheduler.
+  Status settle_backward(StepInfo& info) {
+    Status st = drain_pending();
+    if (worker) {
+      Status w = worker->wait();
+      if (st.is_ok()) st = std::move(w);
+    }
     drop_all_live();
     if (!sched->on_step_end()) {
       log::warn_once("engine:trace-short",
                      "a step used fewer units than the recorded one; re-recording (reported once)");
     }
     plan_walk();
-    ZINF_RETURN_IF_ERROR(early);
-    ZINF_RETURN_IF_ERROR(finish_evictions());
+    info.units_updated_early = updated_early;
+    updated_early = 0;
+    for (UnitState& u : unit_states) u.final_issued = false;
+    return st;
+  }
+
+  Status step(StepInfo& info) {
+    Status st = settle_backward(info);
+    // An error recorded by a scope's end (its reduction could not be issued) fails the step:
+    // the gradients are incomplete.
+    if (!sticky.is_ok()) st = std::exchange(sticky, Status());
+    if (st.is_ok()) st = update(info);
+    if (!st.is_ok() && std::any_of(updated.begin(), updated.end(), [](uint8_t b) { return b; })) {
+      update_incomplete = true;
+    }
+    return st;
+  }
+
+  Status update(StepInfo& info) {
+    // A write-back that failed is reported, but the data stays valid in memory (and is written
+    // back later): the step goes on, so that every rank reaches the same collectives.
+    Status writeback = finish_evictions();
     ZINF_RETURN_IF_ERROR(materialise_zero_accumulators());
     const float combined = combined_scale();
     // One pass over the accumulators gives both the global norm and, for fp16, the overflow
@@ -750,7 +803,7 @@ struct Engine::Impl {
       info.loss_scale = scale;
       info.step = steps;
       zero_gradients();
-      return Status::ok();
+      return writeback;
     }
     float coef = 1.0f;
     if (need_norm() && info.grad_norm > s.gradient_clipping) {
@@ -758,14 +811,13 @@ struct Engine::Impl {
     }
     const kernels::AdamStepArgs args{.step = steps + 1, .grad_scale = combined * coef};
     // The optimizer walks the sub-groups as a pipeline: the reads of group g+1 are in flight
-    // while g is updated, and g's write-back is in flight while g+1 is updated. Units updated
-    // during the backward pass (overlap_optimizer) are skipped.
-    auto skipped = [&](size_t pi) { return pi < skip.size() && skip[pi]; };
+    // while g is updated, and g's write-back is in flight while g+1 is updated. Pieces already
+    // updated (during the backward pass, or by a step() that failed half-way) are skipped.
     std::vector<std::vector<size_t>> todo;
     for (size_t g : walk) {
       todo.emplace_back();
       for (size_t pi : groups[g]) {
-        if (!skipped(pi)) todo.back().push_back(pi);
+        if (!updated[pi]) todo.back().push_back(pi);
       }
       if (todo.back().empty()) todo.pop_back();
     }
@@ -773,9 +825,15 @@ struct Engine::Impl {
     for (size_t g = 0; g < todo.size(); ++g) {
       if (g + 1 < todo.size() && s.pipeline_read) prefetch_pieces(todo[g + 1]);
       for (size_t pi : todo[g]) ZINF_RETURN_IF_ERROR(update_piece(pi, args));
-      if (!s.pipeline_write) ZINF_RETURN_IF_ERROR(finish_evictions());
+      if (!s.pipeline_write) {
+        Status wb = finish_evictions();
+        if (writeback.is_ok()) writeback = std::move(wb);
+      }
     }
+    // Committed: the next step starts from here.
     ++steps;
+    std::fill(updated.begin(), updated.end(), 0);
+    update_incomplete = false;
     zero_gradients();
     if (s.stage == 1 || s.stage == 2) ZINF_RETURN_IF_ERROR(gather_updated_parameters());
     if (s.dtype == DType::kF16 && s.static_loss_scale == 0 && ++good_steps >= s.loss_scale_window) {
@@ -784,18 +842,14 @@ struct Engine::Impl {
     }
     info.step = steps;
     info.loss_scale = scale;
-    // The update is complete in memory. A failed write-back is reported, but the data stays
-    // valid where it is (and is written back later): training can go on.
-    return finish_evictions();
+    Status end = finish_evictions();
+    return writeback.is_ok() ? end : writeback;
   }
 
   // After a step the accumulators are zero; the bytes are written only when needed.
   void zero_gradients() {
     for (UnitState& st : unit_states) st.acc_zero = true;
   }
-
-  // overlap_optimizer: pieces updated during the backward pass of this step.
-  std::vector<bool> done_early;
 
   // Orders the optimizer's walk by when each group's gradients become final in the recorded
   // trace: a group is ready once the last use of each of its units is past.
@@ -831,17 +885,20 @@ struct Engine::Impl {
   // Hands unit u's update to the optimizer worker; its gradients are final for this step. (A
   // group holding pieces of u and of other units is then updated partly early and partly in
   // step(), which skips what was done.)
+  // The worker marks each piece in `updated` as it completes; nothing else touches those
+  // entries until step() has waited for the worker.
   void start_early_update(size_t u) {
-    UnitState& st = unit_states[u];
-    st.updated_early = true;
     ++updated_early;
-    done_early.resize(pieces.size(), false);
-    for (size_t pi : st.pieces) done_early[pi] = true;
     const kernels::AdamStepArgs args{.step = steps + 1, .grad_scale = combined_scale()};
-    std::vector<size_t> mine = st.pieces;
+    std::vector<size_t> mine = unit_states[u].pieces;
     worker->submit([this, mine, args]() -> Status {
-      prefetch_pieces(mine);
-      for (size_t pi : mine) ZINF_RETURN_IF_ERROR(update_piece(pi, args));
+      for (size_t k = 0; k < mine.size(); ++k) {
+        if (s.pipeline_read) {  // this piece (the first time) and the next one
+          if (k == 0) prefetch_piece(mine[0]);
+          if (k + 1 < mine.size()) prefetch_piece(mine[k + 1]);
+        }
+        ZINF_RETURN_IF_ERROR(update_piece(mine[k], args));
+      }
       return Status::ok();
     });
   }
@@ -911,13 +968,18 @@ struct Engine::Impl {
     m.release();
     v.release();
     acc.release();
+    updated[pi] = 1;
+    // What the unit's pieces share (its parameters, a stage-1 accumulator) goes once all of
+    // them are done: the walk may visit a unit's pieces out of order.
+    const bool unit_done =
+        std::all_of(st.pieces.begin(), st.pieces.end(), [&](size_t q) { return updated[q]; });
     if (tier != Tier::kDevice) {
-      if (p.owns_acc || p.last_of_unit) release_offloaded(p.acc, st.opt_home, tier);
+      if (p.owns_acc || unit_done) release_offloaded(p.acc, st.opt_home, tier);
       release_offloaded(p.m, st.opt_home, tier);
       release_offloaded(p.v, st.opt_home, tier);
       if (mixed) release_offloaded(p.master, st.opt_home, tier);
     }
-    if (s.stage == 3 && p.last_of_unit) release_offloaded(st.params, s.param_home, tier);
+    if (s.stage == 3 && unit_done) release_offloaded(st.params, s.param_home, tier);
     return Status::ok();
   }
 
@@ -940,16 +1002,20 @@ struct Engine::Impl {
     std::vector<TensorHandle> handles;
     std::vector<comm::Work> works;
     const uint64_t wsize = dtype_size(s.dtype);
+    Status first;
     for (UnitState& st : unit_states) {
-      ZINF_ASSIGN_OR_RETURN(TensorHandle h, store->acquire(st.params, Tier::kDevice));
-      auto* full = static_cast<char*>(h.data());
+      auto h = store->acquire(st.params, Tier::kDevice);
+      if (!h.is_ok()) {  // the all-gathers issued so far write into `handles`: let them finish
+        first = h.status();
+        break;
+      }
+      auto* full = static_cast<char*>(h->data());
       works.push_back(comm.all_gather(full + st.layout.shard_begin(rank) * wsize, full,
                                       st.layout.shard_numel, s.dtype));
       comm_now.param_gather_elements += st.layout.numel_padded;
-      h.mark_dirty();
-      handles.push_back(std::move(h));
+      h->mark_dirty();
+      handles.push_back(std::move(h).value());
     }
-    Status first;
     for (auto& w : works) {
       Status ws = w.wait();
       if (first.is_ok() && !ws.is_ok()) first = std::move(ws);
@@ -967,7 +1033,6 @@ UnitScope& UnitScope::operator=(UnitScope&& o) noexcept {
     unit_ = o.unit_;
     params_ = std::exchange(o.params_, nullptr);
     param_handle_ = std::move(o.param_handle_);
-    gathered_ = std::exchange(o.gathered_, false);
     grads_ = std::move(o.grads_);
     opened_ = o.opened_;
   }
@@ -998,6 +1063,7 @@ Engine::~Engine() {
   if (!impl_) return;
   (void)impl_->drain_pending();
   if (impl_->worker) (void)impl_->worker->wait();
+  impl_->drop_all_live();  // waits for all-gathers still writing into gathered buffers
   // After a failure some reductions may still be in flight: their buffers belong to the
   // communicator until their Work completes.
   for (auto& p : impl_->pending) {
@@ -1035,6 +1101,7 @@ Result<UnitScope> Engine::gather(size_t unit) {
   if (s.s.stage < 3) {
     ZINF_ASSIGN_OR_RETURN(scope.param_handle_, s.store->acquire(st.params, Tier::kDevice));
     scope.params_ = scope.param_handle_.data();
+    ++st.scopes;
     scope.engine_ = this;
     return scope;
   }
@@ -1047,8 +1114,7 @@ Result<UnitScope> Engine::gather(size_t unit) {
   }
   ++st.scopes;
   st.used_since_gather = true;
-  scope.gathered_ = true;
-  scope.engine_ = this;
+  scope.engine_ = this;  // from here on the scope's end undoes the use
   // The next units' reads and all-gathers go out while this one's all-gather completes.
   ZINF_RETURN_IF_ERROR(s.plan_ahead());
   ZINF_RETURN_IF_ERROR(s.finish_gather(unit));
@@ -1082,12 +1148,12 @@ Status Engine::end_scope(UnitScope& scope) {
   }
   scope.param_handle_.release();
   scope.params_ = nullptr;
-  if (std::exchange(scope.gathered_, false)) {
-    Impl::UnitState& st = s.unit_states[scope.unit_];
-    // The last scope on the unit lets it go, unless it is persistent or reused soon.
-    if (--st.scopes == 0 && !st.persistent && !s.sched->keep(scope.unit_)) {
-      s.drop_live(scope.unit_);
-    }
+  Impl::UnitState& st = s.unit_states[scope.unit_];
+  --st.scopes;
+  // Stage 3: the last scope on the unit lets its gathered parameters go, unless the unit is
+  // persistent or reused soon.
+  if (s.s.stage == 3 && st.scopes == 0 && !st.persistent && !s.sched->keep(scope.unit_)) {
+    s.drop_live(scope.unit_);
   }
   if (!scope.grads_) return Status::ok();
   return s.issue_reduction(scope.unit_, std::move(scope.grads_));
@@ -1095,7 +1161,6 @@ Status Engine::end_scope(UnitScope& scope) {
 
 Status Engine::step() {
   Impl& s = *impl_;
-  if (!s.sticky.is_ok()) return std::exchange(s.sticky, Status());
   StepInfo info;
   Status st = s.step(info);
   last_step_ = info;
@@ -1126,6 +1191,7 @@ Result<std::vector<float>> Engine::full_parameters(size_t unit) {
     return make_error(ErrorCode::kInvalidArgument, "unit {} does not exist", unit);
   }
   ZINF_RETURN_IF_ERROR(s.drain_pending());
+  if (s.worker) ZINF_RETURN_IF_ERROR(s.worker->wait());
   Impl::UnitState& st = s.unit_states[unit];
   const auto& l = st.layout;
   std::vector<float> full(l.numel_padded);

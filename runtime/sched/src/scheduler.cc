@@ -32,6 +32,7 @@ Use Scheduler::on_use(size_t unit) {
 }
 
 bool Scheduler::on_step_end() {
+  if (position_ == 0) return true;  // a step without uses: nothing to record or compare
   bool complete = true;
   if (following_) {
     if (position_ != trace_.size()) {  // ended early: the next step records afresh

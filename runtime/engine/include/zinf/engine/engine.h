@@ -140,7 +140,6 @@ class UnitScope {
   size_t unit_ = 0;
   void* params_ = nullptr;
   TensorHandle param_handle_;  // stages 0-2: the resident full parameters
-  bool gathered_ = false;      // stage 3: holds a use of the unit's gathered parameters
   DeviceBuffer grads_;
   std::chrono::steady_clock::time_point opened_;  // for the trace
 };

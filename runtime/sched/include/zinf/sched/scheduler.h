@@ -50,7 +50,8 @@ class Scheduler {
 
   // Unit `unit` is about to be used.
   Use on_use(size_t unit);
-  // The step ended. Returns false when the step ended before its trace did (a departure).
+  // The step ended. Returns false when the step ended before its trace did (a departure). A
+  // step without any use changes nothing (a retried step, for example).
   bool on_step_end();
 
   bool following() const { return following_; }
