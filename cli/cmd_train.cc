@@ -238,6 +238,23 @@ void run(const Args& a, const CLI::App& sub) {
   print_memory_table(*report, e.dtype);
   std::printf("  peak resident memory of this process: %s\n",
               format_bytes(static_cast<double>(peak_rss_bytes())).c_str());
+  if (!report->steps.empty()) {
+    const gpt::StepLog& last = report->steps.back();
+    const ScheduleReport& sr = last.schedule;
+    std::printf(
+        "\nScheduler, last step (rank 0): %s; uses served by all-gathers issued ahead %llu, "
+        "by kept units %llu, on demand %llu; %zu optimizer sub-group%s",
+        sr.following ? "followed the recorded order" : "recording the order",
+        static_cast<unsigned long long>(sr.uses_served_ahead),
+        static_cast<unsigned long long>(sr.uses_served_kept),
+        static_cast<unsigned long long>(sr.gathers_on_demand), sr.sub_groups,
+        sr.sub_groups == 1 ? "" : "s");
+    if (e.overlap_optimizer) {
+      std::printf("; %zu unit update%s overlapped with the backward pass", last.units_updated_early,
+                  last.units_updated_early == 1 ? "" : "s");
+    }
+    std::printf("\n");
+  }
   if (!a.export_path.empty()) std::printf("\nexported fp32 weights to %s\n", a.export_path.c_str());
   if (a.sample > 0) std::printf("\nsample:\n%s\n", report->sample.c_str());
 }

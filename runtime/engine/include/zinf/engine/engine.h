@@ -20,7 +20,8 @@
 //   stage 2: full parameters, gradient shard, m and v of its shard                 (P + 3P/N)
 //   stage 3: parameter shard, gradient shard, m and v of its shard                 (4P/N)
 // plus, transiently, the unit being worked on (its gathered parameters in stage 3, its gradient
-// buffer while a scope is open and until its reduction has completed).
+// buffer while a scope is open and until its reduction has completed), and in stage 3 the units
+// the scheduler gathered ahead or kept, within max_live_elements.
 //
 // Equivalence: every stage reduces each micro-step's unit gradients with the communicator's
 // rank-order average and accumulates the result in fp32 in micro-step order, computes the
