@@ -213,6 +213,9 @@ void run(const Args& a, const CLI::App& sub) {
                           {"uses_served_kept", s.schedule.uses_served_kept},
                           {"peak_live_elements", s.schedule.peak_live_elements},
                           {"units_updated_early", s.units_updated_early},
+                          {"followed_trace", s.schedule.following},
+                          {"departures", s.schedule.departures},
+                          {"sub_groups", s.schedule.sub_groups},
                           {"peak_rss_bytes", peak_rss_bytes()}};
       for (int t = 0; t < kNumTiers; ++t) {
         j["bytes_" + std::string(tier_name(static_cast<Tier>(t)))] = s.memory.tiers[t].current;
@@ -292,10 +295,13 @@ const Registration kTrain{
                      "Stage 3: keep a unit gathered when it is used again within this many "
                      "elements (stage3_max_reuse_distance; default 1e9, 0 = never)");
       sub.add_option("--sub-group", a->sub_group,
-                     "Optimizer sub-group size in elements (sub_group_size; default 1e9)");
+                     "Optimizer sub-group size in elements (sub_group_size; default 1e9, capped "
+                     "to a third of --host-mem with the optimizer offloaded; 0 = one per unit, "
+                     "uncapped)");
       sub.add_flag("--overlap-optimizer", a->overlap_optimizer,
                    "Start each unit's optimizer update during the backward pass once its "
-                   "gradients are final (needs --clip 0 and no fp16)");
+                   "gradients are final (only with --clip 0 and without fp16; otherwise a "
+                   "warning and no effect)");
       sub.add_option("--device-mem", a->device_mem, "Device budget per rank, e.g. 2G");
       sub.add_option("--host-mem", a->host_mem, "Pinned host budget per rank, e.g. 4G");
       sub.add_option("--grad-accum", a->grad_accum, "Micro-steps per step (default 1)");

@@ -54,6 +54,11 @@ TEST(Schedule, PrefetchAndReuseFollowTheTraceAndKeepTheBits) {
   EXPECT_EQ(plain.schedule[0].gathers_ahead, 0u);
   EXPECT_EQ(plain.comm[0].param_gather_elements, 2 * P);
 
+  RunResult first = train_local(stage3(), world, 1, 2, shape);
+  ASSERT_TRUE(first.status.is_ok());
+  EXPECT_FALSE(first.schedule[0].following) << "the first step records";
+  EXPECT_EQ(first.schedule[0].gathers_ahead, 0u);
+
   // Defaults (DeepSpeed's): everything ahead is gathered ahead, every unit is kept until its
   // backward use. One all-gather per unit per step.
   RunResult sched = train_local(stage3(), world, 3, 2, shape);
@@ -117,12 +122,15 @@ TEST(Schedule, ADepartureFromTheTraceChangesNothing) {
   EngineSettings off = stage3();
   off.prefetch_bucket_elements = 0;
   off.max_reuse_distance = 0;
-  RunResult plain = train_local(off, 2, 4, 2, shape, extra_forward);
-  RunResult sched = train_local(stage3(), 2, 4, 2, shape, extra_forward);
+  // Step 0 records; step 1 departs (the extra uses) and records them; step 2 ends early against
+  // that trace (a departure) and the next step records again; step 3 records; step 4 follows.
+  RunResult plain = train_local(off, 2, 5, 2, shape, extra_forward);
+  RunResult sched = train_local(stage3(), 2, 5, 2, shape, extra_forward);
   ASSERT_TRUE(plain.status.is_ok() && sched.status.is_ok()) << sched.status.to_string();
   EXPECT_TRUE(same_bits(plain, sched));
   EXPECT_EQ(sched.schedule[0].departures, 2u) << "the extra uses, then the step without them";
   EXPECT_TRUE(sched.schedule[0].following) << "re-recorded and followed again";
+  EXPECT_GT(sched.schedule[0].uses_served_ahead, 0u);
 }
 
 // sub_group_size cuts the optimizer state into pieces; the global norm is summed in fixed

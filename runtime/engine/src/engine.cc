@@ -344,7 +344,14 @@ struct Engine::Impl {
     updated.assign(plan.pieces.size(), 0);
     for (size_t g = 0; g < groups.size(); ++g) walk.push_back(g);
     schedule_now.sub_groups = groups.size();
-    if (s.overlap_optimizer) worker = std::make_unique<OptimizerWorker>();
+    if (s.overlap_optimizer) {
+      worker = std::make_unique<OptimizerWorker>();
+      if (!can_update_early()) {
+        log::warn_once("engine:overlap-optimizer",
+                       "overlap_optimizer has no effect with gradient clipping or fp16: the "
+                       "update needs every gradient (the global norm, the overflow check) first");
+      }
+    }
 
     uint64_t acc_bytes = 0, largest_group = 0;  // offloaded accumulators; elements
     for (const auto& g : groups) {
@@ -746,6 +753,7 @@ struct Engine::Impl {
       if (st.is_ok()) st = std::move(w);
     }
     drop_all_live();
+    schedule_now.following = sched->following();  // of the step that ends here
     if (!sched->on_step_end()) {
       log::warn_once("engine:trace-short",
                      "a step used fewer units than the recorded one; re-recording (reported once)");
@@ -858,7 +866,8 @@ struct Engine::Impl {
     for (UnitState& st : unit_states) st.grads_final = false;
     if (!sched->following()) return;  // keep the order of the last recorded trace
     const auto& trace = sched->trace();
-    std::vector<size_t> last_use(unit_states.size(), 0);
+    // A unit the trace never uses gets no final gradient in a step: its groups go last.
+    std::vector<size_t> last_use(unit_states.size(), trace.size());
     for (size_t i = 0; i < trace.size(); ++i) last_use[trace[i]] = i;
     std::vector<size_t> ready(groups.size(), 0);
     for (size_t g = 0; g < groups.size(); ++g) {
@@ -1169,7 +1178,6 @@ Status Engine::step() {
   s.comm.reset_counters();
   s.comm_now = CommReport{};
   last_schedule_ = s.schedule_now;
-  last_schedule_.following = s.sched->following();
   last_schedule_.departures = s.sched->departures();
   s.schedule_now = ScheduleReport{.sub_groups = s.groups.size()};
   return st;
