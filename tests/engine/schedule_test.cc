@@ -344,3 +344,95 @@ TEST(Schedule, DestroyingTheEngineMidStepWaitsForGathersAhead) {
 
 }  // namespace
 }  // namespace zinf
+
+#include <barrier>
+#include <filesystem>
+
+namespace zinf {
+namespace {
+
+// A read error on one rank only, half-way through its optimizer walk: step() fails on every rank
+// (no rank is left waiting in a collective the others skipped), every rank refuses to go on, and
+// the next step() on every rank finishes the update: the run ends on the bits of a clean run.
+TEST(Schedule, AFailureOnOneRankFailsTheStepEverywhereAndTheRetryFinishesIt) {
+  zinf::testing::TempDir nvme;
+  const MlpShape shape{.dims = {32, 256, 256, 8}};
+  const int world = 2;
+  EngineSettings s = stage3();  // with clipping: the norm exchange is part of the protocol
+  s.optimizer_home = Tier::kNvme;
+  s.nvme_paths = {nvme.path()};
+  s.sub_group_elements = 4096;
+  RunResult clean = train_local(s, world, 4, 1, shape);
+  ASSERT_TRUE(clean.status.is_ok()) << clean.status.to_string();
+
+  auto group = comm::make_local_group(world).value();
+  std::barrier sync(world);
+  std::vector<std::string> errors(world), refusals(world), problems(world);
+  std::vector<std::vector<std::vector<float>>> params(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      EngineSettings mine = s;  // each rank swaps into its own directory: the fault hits rank 0
+      mine.nvme_paths = {nvme.path() + "/rank" + std::to_string(r)};
+      std::filesystem::create_directories(mine.nvme_paths[0]);
+      auto engine = Engine::create(mine, *group[r], testing::mlp_units(shape), testing::mlp_init);
+      if (!engine.is_ok()) {
+        problems[r] = engine.status().to_string();
+        return;
+      }
+      for (int step = 0; step < 4; ++step) {
+        const std::vector<uint64_t> samples = {static_cast<uint64_t>(r)};
+        if (!testing::mlp_micro_step(**engine, shape, samples).is_ok()) {
+          problems[r] = "micro-step failed";
+          return;
+        }
+        if (step == 2) {
+          sync.arrive_and_wait();
+          if (r == 0) {
+            io::FaultInjector::global().add({.op = io::IoOp::kRead,
+                                             .nth = 10,
+                                             .and_after = true,
+                                             .path_contains = "/rank0/"});
+          }
+          sync.arrive_and_wait();
+          Status failed = (*engine)->step();
+          sync.arrive_and_wait();
+          if (r == 0) io::FaultInjector::global().clear();
+          sync.arrive_and_wait();
+          errors[r] = failed.is_ok() ? "" : failed.message();
+          auto refused = (*engine)->gather(0);
+          refusals[r] = refused.is_ok() ? "" : refused.status().message();
+        }
+        Status st = (*engine)->step();
+        if (!st.is_ok()) {
+          problems[r] = st.to_string();
+          return;
+        }
+      }
+      for (size_t u = 0; u < (*engine)->unit_count(); ++u) {
+        auto p = (*engine)->full_parameters(u);
+        if (!p.is_ok()) {
+          problems[r] = p.status().to_string();
+          return;
+        }
+        params[r].push_back(std::move(p).value());
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < world; ++r) {
+    ASSERT_EQ(problems[r], "") << "rank " << r;
+    EXPECT_NE(refusals[r].find("call step() again"), std::string::npos) << "rank " << r;
+  }
+  EXPECT_NE(errors[0].find("/rank0/"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[1].find("failed on 1 other rank"), std::string::npos) << errors[1];
+  ASSERT_EQ(params[0].size(), clean.params.size());
+  for (size_t u = 0; u < clean.params.size(); ++u) {
+    EXPECT_EQ(std::memcmp(params[0][u].data(), clean.params[u].data(), clean.params[u].size() * 4),
+              0)
+        << "unit " << u;
+  }
+}
+
+}  // namespace
+}  // namespace zinf

@@ -197,10 +197,10 @@ struct Engine::Impl {
   std::deque<Pending> pending;
   Status sticky;  // an error from a scope's destructor, reported by the next call
   // Pieces whose update of the step being made is done (early on the worker, or in step()).
-  // Cleared when the step is committed; a step() that fails keeps it, and the next step()
-  // finishes the update without repeating what was done.
+  // Cleared when the step is committed on every rank; a step() that fails keeps it, and the
+  // next step() finishes the update without repeating what was done.
   std::vector<uint8_t> updated;
-  bool update_incomplete = false;  // a step() failed after updating part of the state
+  bool update_incomplete = false;  // the last step() failed: the next call must finish it
 
   std::unique_ptr<sched::Scheduler> sched;
   ScheduleReport schedule_now;  // counts since the last step
@@ -477,8 +477,9 @@ struct Engine::Impl {
   Status on_use(size_t u) {
     if (update_incomplete) {
       return make_error(ErrorCode::kInvalidArgument,
-                        "the last step() failed after updating part of the optimizer state; call "
-                        "step() again to finish the update before using unit {}",
+                        "the last step() failed (its gradients are still pending and part of the "
+                        "optimizer state may be updated); call step() again to finish it before "
+                        "using unit {}",
                         units[u].name);
     }
     if (unit_states[u].final_issued) {
@@ -765,43 +766,90 @@ struct Engine::Impl {
     return st;
   }
 
+  // A step either happens on every rank or on none. Every rank goes through the same
+  // collectives whatever failed locally (a rank that failed sends a sentinel or a flag instead of
+  // its data), so no rank is left waiting in a collective the others skipped; a failure anywhere
+  // fails step() everywhere, each rank keeps the pieces it updated, and the next step() finishes
+  // the update on every rank.
   Status step(StepInfo& info) {
     Status st = settle_backward(info);
     // An error recorded by a scope's end (its reduction could not be issued) fails the step:
     // the gradients are incomplete.
-    if (!sticky.is_ok()) st = std::exchange(sticky, Status());
-    if (st.is_ok()) st = update(info);
-    if (!st.is_ok() && std::any_of(updated.begin(), updated.end(), [](uint8_t b) { return b; })) {
-      update_incomplete = true;
+    if (!sticky.is_ok()) {
+      if (st.is_ok()) st = std::move(sticky);
+      sticky = Status();
     }
+    const int64_t before = steps;
+    st = update(info, std::move(st));
+    // Not committed (a write-back error after the commit, or an fp16 skip, leaves nothing to
+    // finish).
+    update_incomplete = !st.is_ok() && steps == before && !info.skipped;
     return st;
   }
 
-  Status update(StepInfo& info) {
+  // One small all-reduce: how many ranks failed their part of the step.
+  Status agree(Status local) {
+    if (world == 1) return local;
+    float failed = local.is_ok() ? 0.0f : 1.0f, total = 0;
+    comm::Work w = comm.all_reduce(&failed, &total, 1, DType::kF32, comm::ReduceOp::kSum);
+    comm_now.control_elements += 2;
+    Status ws = w.wait();
+    if (!local.is_ok()) return local;
+    if (!ws.is_ok()) return ws;
+    if (total > 0) {
+      return make_error(ErrorCode::kUnavailable,
+                        "the optimizer step failed on {} other rank(s) (their errors name the "
+                        "cause); this rank's update is kept: call step() again to finish it",
+                        static_cast<int>(total));
+    }
+    return Status::ok();
+  }
+
+  // The optimizer step; `local` is what already failed on this rank (it then takes part in the
+  // collectives without updating anything).
+  Status update(StepInfo& info, Status local) {
     // A write-back that failed is reported, but the data stays valid in memory (and is written
-    // back later): the step goes on, so that every rank reaches the same collectives.
+    // back later): the step goes on.
     Status writeback = finish_evictions();
-    ZINF_RETURN_IF_ERROR(materialise_zero_accumulators());
+    if (local.is_ok()) local = materialise_zero_accumulators();
     const float combined = combined_scale();
     // One pass over the accumulators gives both the global norm and, for fp16, the overflow
     // check: the sum of squares is non-finite exactly when some gradient is.
     double norm_sq = 0;
+    bool peer_failed = false;
     if (need_norm() || need_overflow_check()) {
       if (s.stage == 0) {
         // Every rank holds every shard: compute each rank's partial exactly as that rank would.
-        for (int r = 0; r < world; ++r) {
-          ZINF_ASSIGN_OR_RETURN(double p, partial_sum_squares(r, combined));
-          norm_sq += p;
+        for (int r = 0; r < world && local.is_ok(); ++r) {
+          auto p = partial_sum_squares(r, combined);
+          if (p.is_ok()) {
+            norm_sq += *p;
+          } else {
+            local = p.status();
+          }
         }
       } else {
-        ZINF_ASSIGN_OR_RETURN(double mine, partial_sum_squares(rank, combined));
+        double mine = -1;  // the sentinel of a rank that could not compute its partial
+        if (local.is_ok()) {
+          auto p = partial_sum_squares(rank, combined);
+          if (p.is_ok()) {
+            mine = *p;
+          } else {
+            local = p.status();
+          }
+        }
         ZINF_ASSIGN_OR_RETURN(std::vector<double> all, exchange_partials(mine));
-        for (double p : all) norm_sq += p;
+        for (double p : all) {
+          peer_failed |= p < 0;
+          norm_sq += p;
+        }
       }
     }
-    info.grad_norm = std::sqrt(norm_sq);
-    if (need_overflow_check() && !std::isfinite(norm_sq)) {
+    const bool go = local.is_ok() && !peer_failed;
+    info.grad_norm = go ? std::sqrt(norm_sq) : 0;
+    if (go && need_overflow_check() && !std::isfinite(norm_sq)) {
       // fp16: skip the update, lower the scale (after `hysteresis` overflows), as DeepSpeed.
+      // Every rank sees the same partials and decides the same.
       info.skipped = true;
       if (s.static_loss_scale == 0 && --hysteresis_left <= 0) {
         scale = std::max(scale / 2, s.min_loss_scale);
@@ -813,14 +861,33 @@ struct Engine::Impl {
       zero_gradients();
       return writeback;
     }
-    float coef = 1.0f;
-    if (need_norm() && info.grad_norm > s.gradient_clipping) {
-      coef = static_cast<float>(s.gradient_clipping / (info.grad_norm + 1e-6));
+    if (go) {
+      float coef = 1.0f;
+      if (need_norm() && info.grad_norm > s.gradient_clipping) {
+        coef = static_cast<float>(s.gradient_clipping / (info.grad_norm + 1e-6));
+      }
+      local = update_pieces({.step = steps + 1, .grad_scale = combined * coef}, writeback);
     }
-    const kernels::AdamStepArgs args{.step = steps + 1, .grad_scale = combined * coef};
-    // The optimizer walks the sub-groups as a pipeline: the reads of group g+1 are in flight
-    // while g is updated, and g's write-back is in flight while g+1 is updated. Pieces already
-    // updated (during the backward pass, or by a step() that failed half-way) are skipped.
+    ZINF_RETURN_IF_ERROR(agree(std::move(local)));
+    // Committed on every rank: the next step starts from here.
+    ++steps;
+    std::fill(updated.begin(), updated.end(), 0);
+    zero_gradients();
+    if (s.stage == 1 || s.stage == 2) ZINF_RETURN_IF_ERROR(gather_updated_parameters());
+    if (s.dtype == DType::kF16 && s.static_loss_scale == 0 && ++good_steps >= s.loss_scale_window) {
+      scale *= 2;
+      good_steps = 0;
+    }
+    info.step = steps;
+    info.loss_scale = scale;
+    Status end = finish_evictions();
+    return writeback.is_ok() ? end : writeback;
+  }
+
+  // The optimizer walks the sub-groups as a pipeline: the reads of group g+1 are in flight while
+  // g is updated, and g's write-back is in flight while g+1 is updated. Pieces already updated
+  // (during the backward pass, or by a step() that failed half-way) are skipped.
+  Status update_pieces(const kernels::AdamStepArgs& args, Status& writeback) {
     std::vector<std::vector<size_t>> todo;
     for (size_t g : walk) {
       todo.emplace_back();
@@ -838,20 +905,7 @@ struct Engine::Impl {
         if (writeback.is_ok()) writeback = std::move(wb);
       }
     }
-    // Committed: the next step starts from here.
-    ++steps;
-    std::fill(updated.begin(), updated.end(), 0);
-    update_incomplete = false;
-    zero_gradients();
-    if (s.stage == 1 || s.stage == 2) ZINF_RETURN_IF_ERROR(gather_updated_parameters());
-    if (s.dtype == DType::kF16 && s.static_loss_scale == 0 && ++good_steps >= s.loss_scale_window) {
-      scale *= 2;
-      good_steps = 0;
-    }
-    info.step = steps;
-    info.loss_scale = scale;
-    Status end = finish_evictions();
-    return writeback.is_ok() ? end : writeback;
+    return Status::ok();
   }
 
   // After a step the accumulators are zero; the bytes are written only when needed.
