@@ -847,9 +847,18 @@ struct Engine::Impl {
     }
     const bool go = local.is_ok() && !peer_failed;
     info.grad_norm = go ? std::sqrt(norm_sq) : 0;
-    if (go && need_overflow_check() && !std::isfinite(norm_sq)) {
-      // fp16: skip the update, lower the scale (after `hysteresis` overflows), as DeepSpeed.
-      // Every rank sees the same partials and decides the same.
+    // fp16: an overflow skips the update. Every rank sees the same partials and decides the same.
+    const bool overflow = go && need_overflow_check() && !std::isfinite(norm_sq);
+    if (go && !overflow) {
+      float coef = 1.0f;
+      if (need_norm() && info.grad_norm > s.gradient_clipping) {
+        coef = static_cast<float>(s.gradient_clipping / (info.grad_norm + 1e-6));
+      }
+      local = update_pieces({.step = steps + 1, .grad_scale = combined * coef}, writeback);
+    }
+    ZINF_RETURN_IF_ERROR(agree(std::move(local)));
+    if (overflow) {
+      // Lower the scale (after `hysteresis` overflows), as DeepSpeed.
       info.skipped = true;
       if (s.static_loss_scale == 0 && --hysteresis_left <= 0) {
         scale = std::max(scale / 2, s.min_loss_scale);
@@ -861,14 +870,6 @@ struct Engine::Impl {
       zero_gradients();
       return writeback;
     }
-    if (go) {
-      float coef = 1.0f;
-      if (need_norm() && info.grad_norm > s.gradient_clipping) {
-        coef = static_cast<float>(s.gradient_clipping / (info.grad_norm + 1e-6));
-      }
-      local = update_pieces({.step = steps + 1, .grad_scale = combined * coef}, writeback);
-    }
-    ZINF_RETURN_IF_ERROR(agree(std::move(local)));
     // Committed on every rank: the next step starts from here.
     ++steps;
     std::fill(updated.begin(), updated.end(), 0);
