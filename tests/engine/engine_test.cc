@@ -11,6 +11,7 @@ namespace {
 
 using testing::MlpShape;
 using testing::RunResult;
+using testing::same_bits;
 using testing::train_local;
 
 EngineSettings base(int stage) {
@@ -19,17 +20,6 @@ EngineSettings base(int stage) {
   s.adam.lr = 0.01f;
   s.adam.weight_decay = 0.01f;
   return s;
-}
-
-bool bit_equal(const RunResult& a, const RunResult& b) {
-  if (a.params.size() != b.params.size()) return false;
-  for (size_t u = 0; u < a.params.size(); ++u) {
-    if (a.params[u].size() != b.params[u].size()) return false;
-    if (std::memcmp(a.params[u].data(), b.params[u].data(), a.params[u].size() * 4) != 0) {
-      return false;
-    }
-  }
-  return true;
 }
 
 struct Variant {
@@ -63,7 +53,7 @@ TEST(Engine, StagesAreBitIdenticalAtWorldSizes1To4) {
         if (stage == 0) {
           reference = r;
         } else {
-          EXPECT_TRUE(bit_equal(reference, r))
+          EXPECT_TRUE(same_bits(reference, r))
               << v.name << ": stage " << stage << " differs from stage 0 at world " << world;
         }
       }
@@ -77,7 +67,9 @@ TEST(Engine, BitComparisonDetectsTinyDifferences) {
   b.adam.lr = std::nextafter(a.adam.lr, 1.0f);
   RunResult ra = train_local(a, 2, 2, 3), rb = train_local(b, 2, 2, 3);
   ASSERT_TRUE(ra.status.is_ok() && rb.status.is_ok());
-  EXPECT_FALSE(bit_equal(ra, rb));
+  ASSERT_EQ(ra.params.size(), rb.params.size());
+  ASSERT_FALSE(ra.params.empty());
+  EXPECT_FALSE(same_bits(ra, rb));
 }
 
 TEST(Engine, MatchesOneRankWithTheWholeBatch) {
@@ -110,7 +102,7 @@ TEST(Engine, Bf16AndFp16AreBitIdenticalAcrossStages) {
       if (stage == 0) {
         reference = r;
       } else {
-        EXPECT_TRUE(bit_equal(reference, r)) << dtype_name(dt) << " stage " << stage;
+        EXPECT_TRUE(same_bits(reference, r)) << dtype_name(dt) << " stage " << stage;
       }
     }
   }
@@ -187,7 +179,7 @@ TEST(Engine, PersistentUnitsAreGatheredOncePerStep) {
   s.param_persistence_threshold = 1'000'000;  // every unit of the test model
   RunResult persistent = train_local(s, world, 3, 2, shape);
   ASSERT_TRUE(plain.status.is_ok() && persistent.status.is_ok());
-  EXPECT_TRUE(bit_equal(plain, persistent));
+  EXPECT_TRUE(same_bits(plain, persistent));
   EXPECT_EQ(plain.comm[0].param_gather_elements, 2 * P);   // forward and backward
   EXPECT_EQ(persistent.comm[0].param_gather_elements, P);  // once per step
 }

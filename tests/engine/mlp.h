@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <thread>
 #include <vector>
@@ -158,6 +159,18 @@ struct RunResult {
   std::vector<StepInfo> info;              // rank 0, per step
   Status status;
 };
+
+// Whether two runs ended on bit-identical parameters (every element of every unit).
+inline bool same_bits(const RunResult& a, const RunResult& b) {
+  if (a.params.empty() || a.params.size() != b.params.size()) return false;
+  for (size_t u = 0; u < a.params.size(); ++u) {
+    if (a.params[u].size() != b.params[u].size() ||
+        std::memcmp(a.params[u].data(), b.params[u].data(), a.params[u].size() * 4) != 0) {
+      return false;
+    }
+  }
+  return true;
+}
 
 // Trains `steps` steps on `world` local ranks: each step, each rank runs
 // gradient_accumulation_steps micro-steps of `micro` samples.

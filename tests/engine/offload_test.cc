@@ -11,18 +11,8 @@ namespace zinf {
 namespace {
 
 using testing::RunResult;
+using testing::same_bits;
 using testing::train_local;
-
-bool same_bits(const RunResult& a, const RunResult& b) {
-  if (a.params.size() != b.params.size()) return false;
-  for (size_t u = 0; u < a.params.size(); ++u) {
-    if (a.params[u].size() != b.params[u].size() ||
-        std::memcmp(a.params[u].data(), b.params[u].data(), a.params[u].size() * 4) != 0) {
-      return false;
-    }
-  }
-  return true;
-}
 
 struct Mode {
   const char* name;

@@ -3,28 +3,21 @@
 // backward pass. None of it may change a bit of the result.
 #include <gtest/gtest.h>
 
+#include <barrier>
 #include <cstring>
+#include <filesystem>
 
 #include "../io/test_dir.h"
 #include "mlp.h"
+#include "zinf/io/fault.h"
 
 namespace zinf {
 namespace {
 
 using testing::MlpShape;
 using testing::RunResult;
+using testing::same_bits;
 using testing::train_local;
-
-bool same_bits(const RunResult& a, const RunResult& b) {
-  if (a.params.empty() || a.params.size() != b.params.size()) return false;
-  for (size_t u = 0; u < a.params.size(); ++u) {
-    if (a.params[u].size() != b.params[u].size() ||
-        std::memcmp(a.params[u].data(), b.params[u].data(), a.params[u].size() * 4) != 0) {
-      return false;
-    }
-  }
-  return true;
-}
 
 EngineSettings stage3() {
   EngineSettings s;
@@ -263,14 +256,6 @@ TEST(Schedule, UsingAUnitAfterItsOverlappedUpdateIsAnError) {
   EXPECT_TRUE(engine->step().is_ok()) << "the step itself completes";
 }
 
-}  // namespace
-}  // namespace zinf
-
-#include "zinf/io/fault.h"
-
-namespace zinf {
-namespace {
-
 // A read error half-way through the optimizer walk: step() fails naming what it was reading, the
 // engine refuses to go on until step() is called again, and that call finishes the update
 // without repeating the pieces already done: the run ends on the same bits as one without the
@@ -342,15 +327,6 @@ TEST(Schedule, DestroyingTheEngineMidStepWaitsForGathersAhead) {
   EXPECT_TRUE(status[1].is_ok()) << status[1].to_string();
 }
 
-}  // namespace
-}  // namespace zinf
-
-#include <barrier>
-#include <filesystem>
-
-namespace zinf {
-namespace {
-
 // A read error on one rank only, half-way through its optimizer walk: step() fails on every rank
 // (no rank is left waiting in a collective the others skipped), every rank refuses to go on, and
 // the next step() on every rank finishes the update: the run ends on the bits of a clean run.
@@ -389,10 +365,8 @@ TEST(Schedule, AFailureOnOneRankFailsTheStepEverywhereAndTheRetryFinishesIt) {
         if (step == 2) {
           sync.arrive_and_wait();
           if (r == 0) {
-            io::FaultInjector::global().add({.op = io::IoOp::kRead,
-                                             .nth = 10,
-                                             .and_after = true,
-                                             .path_contains = "/rank0/"});
+            io::FaultInjector::global().add(
+                {.op = io::IoOp::kRead, .nth = 10, .and_after = true, .path_contains = "/rank0/"});
           }
           sync.arrive_and_wait();
           Status failed = (*engine)->step();
