@@ -159,6 +159,26 @@ TEST_F(StoreTest, OverwriteAccessFetchesNothing) {
   expect(id, Tier::kHost, 4);
 }
 
+// A copy the store is reading for its own move (here: the host copy a prefetch copies to the
+// device) is not "pinned": evict() waits for the move instead of failing, and both the moved
+// copy and the home hold the data afterwards.
+TEST_F(StoreTest, EvictWaitsForAMoveReadingTheCopy) {
+  build({.device_budget = 256 << 20, .host_budget = 256 << 20});
+  for (int round = 0; round < 8; ++round) {
+    TensorId id = make("t" + std::to_string(round), 32 << 20, Tier::kNvme);
+    write(id, Tier::kHost, 100 + round);  // the only valid copy is on the host
+    store_->prefetch(id, Tier::kDevice);  // reads the host copy
+    Status st = store_->evict(id, Tier::kHost);
+    ASSERT_TRUE(st.is_ok()) << "round " << round << ": " << st.to_string();
+    EXPECT_FALSE(store_->residency(id).allocated[static_cast<int>(Tier::kHost)]);
+    expect(id, Tier::kDevice, 100 + round);
+    ASSERT_TRUE(store_->evict(id, Tier::kDevice).is_ok());
+    expect(id, Tier::kHost, 100 + round);  // from the NVMe home
+    ASSERT_TRUE(store_->evict(id, Tier::kHost).is_ok());
+    ASSERT_TRUE(store_->destroy_tensor(id).is_ok());
+  }
+}
+
 TEST_F(StoreTest, TensorsLargerThanStagingMoveInPieces) {
   build({.device_budget = 16 << 20, .staging = 1 << 20});
   TensorId id = make("big", (5 << 20) + 12345, Tier::kNvme);
@@ -265,7 +285,8 @@ TEST_F(StoreTest, RandomizedOperationsMatchModel) {
         break;
       case 5:
         if (store_->spec(m.id).home != tier) {
-          ASSERT_TRUE(store_->evict(m.id, tier).is_ok());
+          Status ev = store_->evict(m.id, tier);
+          ASSERT_TRUE(ev.is_ok()) << "step " << step << ": " << ev.to_string();
         }
         break;
       case 6:

@@ -27,12 +27,17 @@ struct Copy {
   bool allocated = false;
   bool valid = false;
   bool writing_back = false;  // this copy is being written to its home
-  int pins = 0;
+  int pins = 0;               // handles held by callers
+  int reads = 0;              // moves and write-backs reading this copy right now
+
   DeviceBuffer dev;
   PinnedBuffer host;
   void* ptr = nullptr;            // device or host data; null for NVMe
   std::shared_ptr<Job> incoming;  // a move filling this copy
   uint64_t last_use = 0;
+
+  // Something holds or moves these bytes: the copy may be neither dropped nor freed now.
+  bool busy() const { return pins > 0 || reads > 0 || incoming || writing_back; }
 };
 
 struct Tensor {
@@ -264,7 +269,7 @@ struct TieredTensorStore::Impl {
       const Tensor* t = tensors[id].get();
       if (t == nullptr || t->spec.home == tier) continue;
       const Copy& c = t->copies[idx(tier)];
-      if (!c.allocated || c.pins > 0 || c.incoming || c.writing_back) continue;
+      if (!c.allocated || c.busy()) continue;
       // A dirty copy's write-back would wait for a move into its home that may be queued behind
       // the mover doing this eviction: leave such copies alone.
       if (t->copies[idx(t->spec.home)].incoming) continue;
@@ -288,7 +293,7 @@ struct TieredTensorStore::Impl {
     cv.wait(lk, [&] { return !c.writing_back && !home.incoming; });
     if (home.valid || !c.valid) return Status::ok();  // nothing (left) to write back
     c.writing_back = true;
-    ++c.pins;
+    ++c.reads;
     uint64_t version = t->version;
     Endpoint src = endpoint(*t, tier), dst = endpoint(*t, t->spec.home);
     auto job = std::make_shared<Job>();
@@ -304,7 +309,7 @@ struct TieredTensorStore::Impl {
     home.incoming.reset();
     job->status = s;
     job->done = true;  // an acquire of the home may be waiting on this write-back
-    --c.pins;
+    --c.reads;
     c.writing_back = false;
     if (s.is_ok()) {
       ++stats.writebacks;
@@ -327,7 +332,7 @@ struct TieredTensorStore::Impl {
     t = get(id);
     if (t == nullptr) return Status::ok();
     Copy& c = t->copies[idx(tier)];
-    if (!c.allocated || c.pins > 0 || c.incoming || c.writing_back || only_valid_copy(*t, tier)) {
+    if (!c.allocated || c.busy() || only_valid_copy(*t, tier)) {
       return Status::ok();  // it became busy meanwhile: the caller looks again
     }
     free_copy(*t, tier);
@@ -386,7 +391,7 @@ struct TieredTensorStore::Impl {
     if (!t->copies[idx(src)].valid) src = kOrder[idx(dst)][1];
     Copy& sc = t->copies[idx(src)];
     ZINF_CHECK(sc.valid, "tensor {} has no valid copy", t->spec.name);
-    ++sc.pins;
+    ++sc.reads;
     uint64_t version = t->version;
     Endpoint from = endpoint(*t, src), to = endpoint(*t, dst);
     std::string name = t->spec.name;
@@ -397,7 +402,7 @@ struct TieredTensorStore::Impl {
       s = transfer(from, to, t->padded);
     }
     lk.lock();
-    --sc.pins;
+    --sc.reads;
     if (!s.is_ok()) {
       // Give the memory back, unless someone pinned the copy meanwhile (and maybe wrote it).
       if (dst != t->spec.home && d.pins == 0 && !d.valid) free_copy(*t, dst);
@@ -613,7 +618,7 @@ Status TieredTensorStore::destroy_tensor(TensorId id) {
   if (t == nullptr) return make_error(ErrorCode::kNotFound, "tensor {} does not exist", id);
   for (int k = 0; k < kNumTiers; ++k) {
     const Copy& c = t->copies[k];
-    if (c.pins > 0 || c.incoming || c.writing_back) {
+    if (c.busy()) {
       return make_error(ErrorCode::kInvalidArgument, "tensor {} is in use and cannot be destroyed",
                         t->spec.name);
     }
@@ -724,9 +729,9 @@ Status TieredTensorStore::evict(TensorId id, Tier tier) {
       return make_error(ErrorCode::kInvalidArgument, "tensor {} is pinned on the {} tier",
                         t->spec.name, tier_name(tier));
     }
-    if (c.incoming || c.writing_back) {
+    if (c.busy()) {  // a move in or out of this copy: let it finish
       auto job = c.incoming;
-      s.cv.wait(lk, [&] { return !c.writing_back && (!job || job->done); });
+      s.cv.wait(lk, [&] { return !c.writing_back && c.reads == 0 && (!job || job->done); });
       continue;
     }
     ZINF_RETURN_IF_ERROR(s.drop(lk, id, tier));
@@ -749,8 +754,7 @@ std::shared_future<Status> TieredTensorStore::evict_async(TensorId id, Tier tier
       }
       const Copy& c = t->copies[idx(tier)];
       // Never wait here: a mover waiting for a move queued behind it would deadlock.
-      if (!c.allocated || c.pins > 0 || c.incoming || c.writing_back ||
-          t->copies[idx(t->spec.home)].incoming || t->creating) {
+      if (!c.allocated || c.busy() || t->copies[idx(t->spec.home)].incoming || t->creating) {
         promise->set_value(Status::ok());
         return;
       }

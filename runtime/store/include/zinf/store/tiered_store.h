@@ -128,6 +128,8 @@ class TieredTensorStore {
   void prefetch(TensorId id, Tier tier);
   Result<TensorHandle> acquire(TensorId id, Tier tier, Access access = Access::kRead);
   // Drops the copy in `tier` (not the home), writing it back first when it is the only valid one.
+  // Waits for the store's own moves into or out of that copy; a copy pinned by a handle is an
+  // error.
   Status evict(TensorId id, Tier tier);
   // evict() on a mover thread, for copies that are neither pinned nor being filled (others are
   // left alone: the future reports ok). The future reports a failed write-back.
