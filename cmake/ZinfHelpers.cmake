@@ -16,8 +16,10 @@ endfunction()
 
 # zinf_test(NAME SOURCES ... DEPS ... LABELS ...)
 # One GoogleTest binary; every TEST in it becomes a ctest test carrying LABELS.
+# STRICT: every test also runs on the strict CPU device (ZINF_DEVICE=cpu-strict, names prefixed
+# "strict."), whose memory faults on any host access outside the device's operations.
 function(zinf_test name)
-  cmake_parse_arguments(ARG "" "TIMEOUT" "SOURCES;DEPS;LABELS" ${ARGN})
+  cmake_parse_arguments(ARG "STRICT" "TIMEOUT" "SOURCES;DEPS;LABELS" ${ARGN})
   if(NOT ARG_TIMEOUT)
     set(ARG_TIMEOUT 300)
   endif()
@@ -25,4 +27,9 @@ function(zinf_test name)
   target_link_libraries(${name} PRIVATE ${ARG_DEPS} GTest::gtest GTest::gtest_main GTest::gmock)
   gtest_discover_tests(${name} DISCOVERY_TIMEOUT 60
     PROPERTIES LABELS "${ARG_LABELS}" TIMEOUT ${ARG_TIMEOUT})
+  if(ARG_STRICT)
+    gtest_discover_tests(${name} DISCOVERY_TIMEOUT 60 TEST_PREFIX "strict."
+      PROPERTIES LABELS "${ARG_LABELS};strict" TIMEOUT ${ARG_TIMEOUT}
+                 ENVIRONMENT "ZINF_DEVICE=cpu-strict")
+  endif()
 endfunction()

@@ -24,14 +24,16 @@ int main() {
                     }).value();
       for (int step = 0; step < 300; ++step) {
         auto scope = engine->gather(0).value();
-        auto* p = static_cast<float*>(scope.params());
-        auto* g = static_cast<float*>(scope.grads());
+        // Device memory is reached through the device: a host copy in, gradients out.
+        float p[2], g[2] = {0, 0};
+        if (!scope.params_to_host(p).is_ok()) return;
         for (int i = 0; i < 4; ++i) {  // each rank its own samples
           float x = static_cast<float>(r * 4 + i) / 8.0f, y = 3 * x - 1;
           float err = p[0] * x + p[1] - y;
           g[0] += err * x / 4;
           g[1] += err / 4;
         }
+        if (!scope.grads_from_host(g).is_ok()) return;
         if (!scope.finish().is_ok() || !engine->step().is_ok()) return;
       }
       auto full = engine->full_parameters(0);

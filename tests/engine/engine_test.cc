@@ -109,6 +109,59 @@ TEST(Engine, Bf16AndFp16AreBitIdenticalAcrossStages) {
 }
 
 // memory_report() against DESIGN.md's table (fp32; P = padded parameter elements).
+// The device comes from the settings, or from $ZINF_DEVICE (how ctest runs every engine test a
+// second time on the strict device).
+TEST(Engine, DeviceComesFromTheSettingsOrTheEnvironment) {
+  auto group = comm::make_local_group(1).value();
+  EngineSettings s;
+  s.device = DeviceKind::kCpuStrict;
+  auto strict = Engine::create(s, *group[0], testing::mlp_units({}), testing::mlp_init).value();
+  EXPECT_EQ(strict->device().name(), "cpu-strict");
+  s.device = DeviceKind::kAuto;
+  auto chosen = Engine::create(s, *group[0], testing::mlp_units({}), testing::mlp_init).value();
+  const char* env = std::getenv("ZINF_DEVICE");
+  EXPECT_EQ(chosen->device().name(), env && *env ? env : "cpu");
+}
+
+// The views a model gets are typed: asking for another element type is an error naming both.
+TEST(Engine, ViewsAreTypedAndAWrongTypeIsAnError) {
+  auto group = comm::make_local_group(1).value();
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
+    EngineSettings s;
+    s.dtype = dt;
+    s.stage = 3;
+    auto engine = Engine::create(s, *group[0], testing::mlp_units({}), testing::mlp_init).value();
+    UnitScope scope = engine->gather(1).value();
+    const TensorView params = scope.params();
+    EXPECT_EQ(params.dtype(), dt);
+    EXPECT_EQ(params.numel(), scope.layout().numel_padded);
+    EXPECT_EQ(params.as<float>().is_ok(), dt == DType::kF32);
+    EXPECT_EQ(params.as<BFloat16>().is_ok(), dt == DType::kBF16);
+    EXPECT_EQ(params.as<const Float16>().is_ok(), dt == DType::kF16);
+    auto wrong = dt == DType::kF32 ? params.as<BFloat16>().status() : params.as<float>().status();
+    EXPECT_EQ(wrong.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(wrong.message().find("layer1"), std::string::npos) << wrong.message();
+    EXPECT_NE(wrong.message().find(std::string(dtype_name(dt))), std::string::npos)
+        << wrong.message();
+    auto grads = scope.grads();
+    ASSERT_TRUE(grads.is_ok());
+    EXPECT_EQ(grads->dtype(), dt);
+    // The host copy of the parameters is the initialiser's values in the working precision.
+    std::vector<float> host(scope.layout().numel);
+    ASSERT_TRUE(scope.params_to_host(host).is_ok());
+    for (uint64_t i = 0; i < host.size(); ++i) {
+      const float v = testing::mlp_init(1, i, 0);
+      const float expect = dt == DType::kF32    ? v
+                           : dt == DType::kBF16 ? bf16_to_f32(f32_to_bf16(v))
+                                                : f16_to_f32(f32_to_f16(v));
+      ASSERT_EQ(host[i], expect) << dtype_name(dt) << " element " << i;
+    }
+    std::vector<float> too_short(3);
+    EXPECT_FALSE(scope.params_to_host(too_short).is_ok());
+    EXPECT_FALSE(scope.grads_from_host(too_short).is_ok());
+  }
+}
+
 TEST(Engine, MemoryMatchesTheZeroArithmetic) {
   MlpShape shape;
   for (int world : {1, 2, 3, 4}) {

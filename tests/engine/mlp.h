@@ -1,7 +1,8 @@
 // A small MLP trained through the Engine: the test vehicle for stage equivalence. Units of
 // uneven sizes (Linear + tanh, the last one linear), a mean-squared-error loss, data that is a
 // pure function of the global sample index. Works in fp32, bf16 and fp16 working precision
-// (computes in fp32, converts at the unit boundary).
+// (computes in fp32 on the host, converts at the unit boundary through the device's operations,
+// so it runs on the strict device too).
 #pragma once
 
 #include <cmath>
@@ -37,35 +38,6 @@ inline float mlp_init(size_t unit, uint64_t element, uint64_t seed) {
   return static_cast<float>(static_cast<double>(z % 20001) / 10000.0 - 1.0) * 0.4f;
 }
 
-inline float load(const void* p, DType t, uint64_t i) {
-  switch (t) {
-    case DType::kF32:
-      return static_cast<const float*>(p)[i];
-    case DType::kBF16:
-      return bf16_to_f32(static_cast<const uint16_t*>(p)[i]);
-    case DType::kF16:
-      return f16_to_f32(static_cast<const uint16_t*>(p)[i]);
-  }
-  return 0;
-}
-inline void add_to(void* p, DType t, uint64_t i, float v) {
-  switch (t) {
-    case DType::kF32:
-      static_cast<float*>(p)[i] += v;
-      break;
-    case DType::kBF16: {
-      auto* q = static_cast<uint16_t*>(p);
-      q[i] = f32_to_bf16(bf16_to_f32(q[i]) + v);
-      break;
-    }
-    case DType::kF16: {
-      auto* q = static_cast<uint16_t*>(p);
-      q[i] = f32_to_f16(f16_to_f32(q[i]) + v);
-      break;
-    }
-  }
-}
-
 inline void sample(uint64_t index, const MlpShape& shape, std::vector<float>& x,
                    std::vector<float>& y) {
   x.resize(shape.dims.front());
@@ -78,7 +50,6 @@ inline void sample(uint64_t index, const MlpShape& shape, std::vector<float>& x,
 // `loss_scale` multiplies the gradients (fp16 loss scaling).
 inline Result<float> mlp_micro_step(Engine& engine, const MlpShape& shape,
                                     const std::vector<uint64_t>& samples) {
-  const DType dt = engine.settings().dtype;
   const size_t L = shape.dims.size() - 1;
   const float scale = engine.loss_scale();
   std::vector<std::vector<std::vector<float>>> acts(samples.size());  // [sample][layer] inputs
@@ -92,13 +63,13 @@ inline Result<float> mlp_micro_step(Engine& engine, const MlpShape& shape,
   for (size_t u = 0; u < L; ++u) {
     ZINF_ASSIGN_OR_RETURN(UnitScope scope, engine.gather(u));
     const int in = shape.dims[u], out = shape.dims[u + 1];
-    const void* p = scope.params();
+    std::vector<float> p(scope.layout().numel);
+    ZINF_RETURN_IF_ERROR(scope.params_to_host(p));
     for (size_t s = 0; s < samples.size(); ++s) {
       std::vector<float> y(out);
       for (int o = 0; o < out; ++o) {
-        float acc = load(p, dt, static_cast<uint64_t>(out) * in + o);
-        for (int i = 0; i < in; ++i)
-          acc += load(p, dt, static_cast<uint64_t>(o) * in + i) * acts[s][u][i];
+        float acc = p[static_cast<uint64_t>(out) * in + o];
+        for (int i = 0; i < in; ++i) acc += p[static_cast<uint64_t>(o) * in + i] * acts[s][u][i];
         y[o] = u + 1 < L ? std::tanh(acc) : acc;
       }
       if (u + 1 < L) {
@@ -123,11 +94,10 @@ inline Result<float> mlp_micro_step(Engine& engine, const MlpShape& shape,
   for (size_t u = L; u-- > 0;) {
     ZINF_ASSIGN_OR_RETURN(UnitScope scope, engine.gather(u));
     const int in = shape.dims[u], out = shape.dims[u + 1];
-    const void* p = scope.params();
-    void* g = scope.grads();
-    if (g == nullptr) return make_error(ErrorCode::kOutOfMemory, "no gradient buffer");
-    // Gradients of this micro-batch in fp32 first, then added once per element (as a real
-    // backward writes its result into the buffer).
+    std::vector<float> p(scope.layout().numel);
+    ZINF_RETURN_IF_ERROR(scope.params_to_host(p));
+    // Gradients of this micro-batch in fp32 first, then written once in the working dtype (as a
+    // real backward writes its result into the buffer).
     std::vector<float> gw(static_cast<size_t>(out) * in + out, 0.0f);
     for (size_t s = 0; s < samples.size(); ++s) {
       std::vector<float> dz = dy[s];
@@ -138,13 +108,13 @@ inline Result<float> mlp_micro_step(Engine& engine, const MlpShape& shape,
       for (int o = 0; o < out; ++o) {
         for (int i = 0; i < in; ++i) {
           gw[static_cast<size_t>(o) * in + i] += dz[o] * acts[s][u][i];
-          dx[i] += load(p, dt, static_cast<uint64_t>(o) * in + i) * dz[o];
+          dx[i] += p[static_cast<uint64_t>(o) * in + i] * dz[o];
         }
         gw[static_cast<size_t>(out) * in + o] += dz[o];
       }
       dy[s] = dx;
     }
-    for (size_t i = 0; i < gw.size(); ++i) add_to(g, dt, i, gw[i]);
+    ZINF_RETURN_IF_ERROR(scope.grads_from_host(gw));
     ZINF_RETURN_IF_ERROR(scope.finish());
   }
   return static_cast<float>(loss / samples.size());

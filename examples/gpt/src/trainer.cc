@@ -10,7 +10,6 @@
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
-#include <set>
 #include <thread>
 
 #include "zinf/comm/local.h"
@@ -70,6 +69,12 @@ struct GatherFailed {
 // released when the model moves to another unit. The embedding stays open from the head's
 // backward (its first gradients) to the embedding's own backward (its last), so its gradients are
 // reduced once.
+//
+// The model computes on the host in fp32: a unit's parameters are converted from the working
+// dtype (fp32, bf16 or fp16) into a host copy when it is gathered, and its gradients, summed in
+// fp32 on the host, are written to the device in the working dtype when its scope ends (16-bit
+// gradients travel through the reduction). Device memory is reached only through the device's
+// operations (UnitScope::params_to_host / grads_from_host).
 class ScopeAdapter {
  public:
   explicit ScopeAdapter(Engine& engine) : engine_(engine) {}
@@ -80,47 +85,65 @@ class ScopeAdapter {
       close_others(unit);
       auto scope = engine_.gather(static_cast<size_t>(unit));
       if (!scope.is_ok()) throw GatherFailed{scope.status()};
-      it = open_.emplace(unit, std::move(scope).value()).first;
+      Open o{.scope = std::move(scope).value()};
+      o.params.resize(o.scope.layout().numel);
+      check(o.scope.params_to_host(o.params));
+      it = open_.emplace(unit, std::move(o)).first;
     }
-    return static_cast<const float*>(it->second.params());
+    return it->second.params.data();
   }
 
   float* grads(int unit) {
     if (!open_.count(unit)) params(unit);
-    with_grads_.insert(unit);
-    void* g = open_.at(unit).grads();
-    if (g == nullptr) throw GatherFailed{Status(ErrorCode::kOutOfMemory, "no gradient buffer")};
-    return static_cast<float*>(g);
+    Open& o = open_.at(unit);
+    if (o.grads.empty()) o.grads.assign(o.scope.layout().numel, 0.0f);
+    return o.grads.data();
   }
 
   Status close_all() {
     Status first;
-    for (auto& [u, scope] : open_) {
-      Status s = scope.finish();
+    for (auto& [u, o] : open_) {
+      Status s = close(o);
       if (first.is_ok() && !s.is_ok()) first = std::move(s);
     }
     open_.clear();
-    with_grads_.clear();
     return first;
   }
 
  private:
+  struct Open {
+    UnitScope scope;
+    std::vector<float> params;  // fp32 host copy
+    std::vector<float> grads;   // fp32 host sums; empty until the model asks for them
+  };
+
+  static void check(Status s) {
+    if (!s.is_ok()) throw GatherFailed{std::move(s)};
+  }
+
+  // Writes the unit's gradients (if any) to the device and ends its scope (which reduces them).
+  static Status close(Open& o) {
+    Status s;
+    if (!o.grads.empty()) s = o.scope.grads_from_host(o.grads);
+    Status f = o.scope.finish();
+    return s.is_ok() ? f : s;
+  }
+
   void close_others(int unit) {
     for (auto it = open_.begin(); it != open_.end();) {
-      bool keep = it->first == 0 && with_grads_.count(0) && unit != 0;
+      bool keep = it->first == 0 && !it->second.grads.empty() && unit != 0;
       if (it->first == unit || keep) {
         ++it;
         continue;
       }
-      Status s = it->second.finish();
+      Status s = close(it->second);
       it = open_.erase(it);
-      if (!s.is_ok()) throw GatherFailed{s};
+      check(std::move(s));
     }
   }
 
   Engine& engine_;
-  std::map<int, UnitScope> open_;
-  std::set<int> with_grads_;
+  std::map<int, Open> open_;
 };
 
 uint64_t largest_unit_numel(const GptConfig& cfg) {

@@ -24,45 +24,12 @@ namespace {
 constexpr uint64_t kUnlimited = uint64_t{1} << 50;
 constexpr TensorId kNoTensor = ~TensorId{0};
 
-// dst[i] += (float)src[i] for a working-dtype source; with `first`, dst[i] = 0.0f + (float)src[i]
-// without reading dst (the same bits as adding to a zeroed accumulator).
-template <typename Load>
-void add_into(float* dst, uint64_t n, bool first, Load load) {
-  if (first) {
-    for (uint64_t i = 0; i < n; ++i) dst[i] = 0.0f + load(i);
-  } else {
-    for (uint64_t i = 0; i < n; ++i) dst[i] += load(i);
-  }
-}
-
-void accumulate(float* dst, const void* src, DType dtype, uint64_t n, bool first) {
-  auto* f = static_cast<const float*>(src);
-  auto* h = static_cast<const uint16_t*>(src);
-  switch (dtype) {
-    case DType::kF32:
-      add_into(dst, n, first, [f](uint64_t i) { return f[i]; });
-      break;
-    case DType::kBF16:
-      add_into(dst, n, first, [h](uint64_t i) { return bf16_to_f32(h[i]); });
-      break;
-    case DType::kF16:
-      add_into(dst, n, first, [h](uint64_t i) { return f16_to_f32(h[i]); });
-      break;
-  }
-}
-
-void store_value(void* base, DType dtype, uint64_t i, float v) {
-  switch (dtype) {
-    case DType::kF32:
-      static_cast<float*>(base)[i] = v;
-      break;
-    case DType::kBF16:
-      static_cast<uint16_t*>(base)[i] = f32_to_bf16(v);
-      break;
-    case DType::kF16:
-      static_cast<uint16_t*>(base)[i] = f32_to_f16(v);
-      break;
-  }
+// Waits for the operations enqueued on `stream` so far; their first failure (cleared from the
+// stream, so that it is reported once).
+Status sync(Stream& stream) {
+  Status st = stream.record().wait();
+  if (!st.is_ok()) (void)stream.synchronize();
+  return st;
 }
 
 }  // namespace
@@ -130,6 +97,11 @@ struct Engine::Impl {
   std::unique_ptr<io::IoEngine> io;
   std::unique_ptr<io::SwapSpace> swap;
   std::unique_ptr<Device> device;
+  // The engine's device operations, in order: `stream` for the gathering, reduction and norm
+  // path (the calling thread), `optimizer_stream` for updates (step(), or the optimizer worker
+  // under overlap_optimizer; never both at once).
+  std::unique_ptr<Stream> stream, optimizer_stream;
+  std::vector<char> host_scratch;  // reduced gradients on their way to a host-tier accumulator
   std::unique_ptr<PinnedPool> pool;
   std::unique_ptr<TieredTensorStore> store;
 
@@ -148,6 +120,7 @@ struct Engine::Impl {
     // kept); the all-gather filling them may still be in flight, its shard pinned until done.
     DeviceBuffer gathered;
     TensorHandle gathering_shard;
+    std::vector<Device::CommWindow> gather_windows;  // the all-gather's reach into the device
     comm::Work gather_work;
     bool gather_in_flight = false;
     trace::Clock::time_point gather_issued;
@@ -192,7 +165,8 @@ struct Engine::Impl {
     DeviceBuffer grads;  // the full gradient buffer (reduced in place for stage 0)
     DeviceBuffer shard;  // stages 1-3: this rank's reduced part
     std::vector<comm::Work> works;
-    bool final = false;  // the unit's last gradient of the step
+    std::vector<Device::CommWindow> windows;  // the reductions' reach into grads and shard
+    bool final = false;                       // the unit's last gradient of the step
   };
   std::deque<Pending> pending;
   Status sticky;  // an error from a scope's destructor, reported by the next call
@@ -286,8 +260,13 @@ struct Engine::Impl {
                         s.optimizer_offload_ratio);
     }
     // Resources of this rank: device, pinned host pool, NVMe swap, the store over them.
-    device = make_cpu_device(
-        {.budget_bytes = s.device_mem ? s.device_mem : kUnlimited, .ledger = &ledger});
+    ZINF_ASSIGN_OR_RETURN(const DeviceKind kind, resolve_device_kind(s.device));
+    device = make_cpu_device({.budget_bytes = s.device_mem ? s.device_mem : kUnlimited,
+                              .ledger = &ledger,
+                              .strict = kind == DeviceKind::kCpuStrict,
+                              .threads = s.optimizer_threads});
+    stream = device->create_stream(track("engine"));
+    optimizer_stream = device->create_stream(track("optimizer"));
     bool nvme = s.param_home == Tier::kNvme || s.optimizer_home == Tier::kNvme;
     if (nvme) {
       ZINF_ASSIGN_OR_RETURN(io, io::IoEngine::create({.queue_depth = s.io_queue_depth,
@@ -440,12 +419,18 @@ struct Engine::Impl {
     const auto& l = st.layout;
     uint64_t p_begin = s.stage == 3 ? l.shard_begin(rank) : 0;
     uint64_t p_end = s.stage == 3 ? l.shard_end(rank) : l.numel_padded;
-    auto value = [&](uint64_t flat) { return flat < l.numel ? init(u, flat, s.seed) : 0.0f; };
-    {
-      ZINF_ASSIGN_OR_RETURN(TensorHandle h, store->acquire(st.params, Tier::kHost));
-      for (uint64_t flat = p_begin; flat < p_end; ++flat) {
-        store_value(h.data(), s.dtype, flat - p_begin, value(flat));
+    // fp32 values of [begin, end) of the unit (zero past numel: the padding).
+    auto values = [&](uint64_t begin, uint64_t end) {
+      std::vector<float> out(end - begin);
+      for (uint64_t flat = begin; flat < std::min(end, l.numel); ++flat) {
+        out[flat - begin] = init(u, flat, s.seed);
       }
+      return out;
+    };
+    {  // written on the host, converted to the working dtype there
+      ZINF_ASSIGN_OR_RETURN(TensorHandle h, store->acquire(st.params, Tier::kHost));
+      const std::vector<float> v = values(p_begin, p_end);
+      kernels::cast(v.data(), DType::kF32, h.data(), s.dtype, v.size(), s.optimizer_threads);
       h.mark_dirty();
     }
     if (mixed) {
@@ -453,8 +438,8 @@ struct Engine::Impl {
         const PieceState& p = pieces[pi];
         {
           ZINF_ASSIGN_OR_RETURN(TensorHandle h, store->acquire(p.master, Tier::kHost));
-          auto* master = static_cast<float*>(h.data());
-          for (uint64_t flat = p.begin; flat < p.end; ++flat) master[flat - p.begin] = value(flat);
+          const std::vector<float> v = values(p.begin, p.end);
+          std::memcpy(h.data(), v.data(), v.size() * 4);
           h.mark_dirty();
         }
         if (st.opt_home != Tier::kHost) {
@@ -510,6 +495,8 @@ struct Engine::Impl {
         store->allocate_device(st.layout.numel_padded * wsize, MemoryCategory::kParameters,
                                "gathered parameters of " + units[u].name));
     st.gather_issued = trace::Clock::now();
+    st.gather_windows.push_back(device->comm_window(shard.data(), st.layout.shard_numel * wsize));
+    st.gather_windows.push_back(device->comm_window(full.data(), full.bytes()));
     st.gather_work = comm.all_gather(shard.data(), full.data(), st.layout.shard_numel, s.dtype);
     st.gather_in_flight = true;
     st.used_since_gather = false;
@@ -532,6 +519,7 @@ struct Engine::Impl {
     }
     st.gather_in_flight = false;
     st.gather_work = comm::Work();
+    st.gather_windows.clear();
     st.gathering_shard.release();
     release_offloaded(st.params, s.param_home, Tier::kDevice);
     if (!ws.is_ok()) {
@@ -597,6 +585,8 @@ struct Engine::Impl {
     }
     const uint64_t bucket = std::max<uint64_t>(s.reduce_bucket_elements, 1);
     auto* g = static_cast<char*>(p.grads.data());
+    p.windows.push_back(device->comm_window(p.grads.data(), p.grads.bytes()));
+    if (p.shard) p.windows.push_back(device->comm_window(p.shard.data(), p.shard.bytes()));
     for (uint64_t a = 0; a < l.numel_padded; a += bucket) {
       uint64_t b = std::min(l.numel_padded, a + bucket);
       if (s.stage == 0) {
@@ -637,8 +627,8 @@ struct Engine::Impl {
       return std::move(first).with_context(
           fmt::format("reducing the gradients of unit {}", units[p.unit].name));
     }
+    p.windows.clear();
     UnitState& st = unit_states[p.unit];
-    ZINF_CHECK(device->host_addressable(), "gradient accumulation from device memory needs a copy");
     // The first micro-step overwrites the (lazily zero) accumulators without fetching them; in
     // stage 1 the bytes outside this rank's range are then unspecified, and never read.
     const Access access = st.acc_zero ? Access::kOverwrite : Access::kRead;
@@ -655,8 +645,8 @@ struct Engine::Impl {
                                 ? static_cast<const char*>(p.grads.data()) + piece.begin * wsize
                                 : static_cast<const char*>(p.shard.data()) +
                                       (piece.begin - st.layout.shard_begin(rank)) * wsize;
-      accumulate(static_cast<float*>(acc.data()) + (piece.begin - piece.acc_base), reduced, s.dtype,
-                 piece.end - piece.begin, /*first=*/st.acc_zero);
+      ZINF_RETURN_IF_ERROR(accumulate_into(acc, piece.begin - piece.acc_base, reduced,
+                                           piece.end - piece.begin, /*overwrite=*/st.acc_zero));
     }
     acc.release();
     st.acc_zero = false;
@@ -668,6 +658,34 @@ struct Engine::Impl {
         read_optimizer_ahead();
       }
     }
+    return Status::ok();
+  }
+
+  // The fp32 accumulator `acc` (from element `offset`) += the n working-dtype gradients at `src`
+  // (device memory): a device operation when the accumulator is on the device; when it is on the
+  // host (the optimizer offloaded), the gradients are copied down and added by the CPU kernel.
+  Status accumulate_into(const TensorHandle& acc, uint64_t offset, const void* src, uint64_t n,
+                         bool overwrite) {
+    float* dst = static_cast<float*>(acc.data()) + offset;
+    if (acc.tier() == Tier::kDevice) {
+      device->accumulate({.data = dst, .dtype = DType::kF32, .numel = n}, {src, s.dtype, n},
+                         overwrite, *stream);
+      return sync(*stream);
+    }
+    host_scratch.resize(n * dtype_size(s.dtype));
+    device->copy_async(host_scratch.data(), src, host_scratch.size(), *stream);
+    ZINF_RETURN_IF_ERROR(sync(*stream));
+    kernels::accumulate(dst, host_scratch.data(), s.dtype, n, overwrite, s.optimizer_threads);
+    return Status::ok();
+  }
+
+  // Zeroes a tensor held at `h` where it is: a device operation, or memset on the host.
+  Status zero(const TensorHandle& h) {
+    if (h.tier() == Tier::kDevice) {
+      device->fill({.data = h.data(), .dtype = DType::kF32, .numel = h.bytes() / 4}, 0.0f, *stream);
+      return sync(*stream);
+    }
+    std::memset(h.data(), 0, h.bytes());
     return Status::ok();
   }
 
@@ -711,9 +729,14 @@ struct Engine::Impl {
                             store->acquire(p.acc, compute_tier(unit_states[p.unit])));
       const uint64_t n = p.end - p.begin;
       blocks.resize(kernels::sum_squares_block_count(n));
-      kernels::grad_sum_squares_blocks(
-          static_cast<const float*>(acc.data()) + (p.begin - p.acc_base), DType::kF32, n,
-          scale_factor, blocks.data(), s.optimizer_threads);
+      const float* grads = static_cast<const float*>(acc.data()) + (p.begin - p.acc_base);
+      if (acc.tier() == Tier::kDevice) {
+        device->sum_squares_blocks({grads, DType::kF32, n}, scale_factor, blocks.data(), *stream);
+        ZINF_RETURN_IF_ERROR(sync(*stream));
+      } else {
+        kernels::grad_sum_squares_blocks(grads, DType::kF32, n, scale_factor, blocks.data(),
+                                         s.optimizer_threads);
+      }
       for (double b : blocks) total += b;
     }
     return total;
@@ -737,7 +760,7 @@ struct Engine::Impl {
         if (!p.owns_acc && pi != st.pieces.front()) continue;  // a shared one: once
         ZINF_ASSIGN_OR_RETURN(TensorHandle acc,
                               store->acquire(p.acc, compute_tier(st), Access::kOverwrite));
-        std::memset(acc.data(), 0, acc.bytes());
+        ZINF_RETURN_IF_ERROR(zero(acc));
         acc.mark_dirty();
       }
       st.acc_zero = false;
@@ -1020,8 +1043,13 @@ struct Engine::Impl {
             .param_copy = mixed ? static_cast<char*>(params.data()) + pidx * wsize : nullptr,
             .copy_dtype = s.dtype,
             .n = seg.end - seg.begin};
-        kernels::adam_step(cfg, args, t, s.optimizer_threads);
+        if (tier == Tier::kDevice) {
+          device->adam(cfg, args, t, *optimizer_stream);
+        } else {  // ZeRO-Offload: CPU Adam on host-resident state
+          kernels::adam_step(cfg, args, t, s.optimizer_threads);
+        }
       }
+      if (tier == Tier::kDevice) ZINF_RETURN_IF_ERROR(sync(*optimizer_stream));
     }
     params.mark_dirty();
     if (mixed) master.mark_dirty();
@@ -1064,6 +1092,7 @@ struct Engine::Impl {
   // Stages 1-2: every rank updated its shard of the full parameters; share them.
   Status gather_updated_parameters() {
     std::vector<TensorHandle> handles;
+    std::vector<Device::CommWindow> windows;
     std::vector<comm::Work> works;
     const uint64_t wsize = dtype_size(s.dtype);
     Status first;
@@ -1074,6 +1103,7 @@ struct Engine::Impl {
         break;
       }
       auto* full = static_cast<char*>(h->data());
+      windows.push_back(device->comm_window(full, st.layout.numel_padded * wsize));
       works.push_back(comm.all_gather(full + st.layout.shard_begin(rank) * wsize, full,
                                       st.layout.shard_numel, s.dtype));
       comm_now.param_gather_elements += st.layout.numel_padded;
@@ -1108,7 +1138,51 @@ UnitScope::~UnitScope() { (void)finish(); }
 
 const zero::ShardLayout& UnitScope::layout() const { return engine_->layout(unit_); }
 
-void* UnitScope::grads() { return engine_->scope_grads(*this); }
+TensorView UnitScope::params() const {
+  const auto& l = layout();
+  return TensorView(params_, engine_->settings_.dtype, l.numel_padded,
+                    "the parameters of unit " + engine_->unit_spec(unit_).name);
+}
+
+Result<TensorView> UnitScope::grads() {
+  if (engine_ == nullptr) {
+    return make_error(ErrorCode::kInvalidArgument, "grads() of a scope that has ended");
+  }
+  return engine_->scope_grads(*this);
+}
+
+Status UnitScope::params_to_host(std::span<float> out) const {
+  if (engine_ == nullptr) {
+    return make_error(ErrorCode::kInvalidArgument, "params_to_host() of a scope that has ended");
+  }
+  const auto& l = layout();
+  if (out.size() < l.numel) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "params_to_host: unit {} has {} parameters, the buffer holds {}",
+                      engine_->unit_spec(unit_).name, l.numel, out.size());
+  }
+  Stream& stream = engine_->stream();
+  engine_->device().cast({.data = out.data(), .dtype = DType::kF32, .numel = l.numel},
+                         {params_, engine_->settings_.dtype, l.numel}, stream);
+  return sync(stream).with_context("reading the parameters of unit " +
+                                   engine_->unit_spec(unit_).name);
+}
+
+Status UnitScope::grads_from_host(std::span<const float> in) {
+  ZINF_ASSIGN_OR_RETURN(TensorView g, grads());
+  const auto& l = layout();
+  if (in.size() != l.numel) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "grads_from_host: unit {} has {} parameters, got {} gradients",
+                      engine_->unit_spec(unit_).name, l.numel, in.size());
+  }
+  Stream& stream = engine_->stream();
+  TensorRef dst = g.ref();
+  dst.numel = l.numel;  // the padding stays zero
+  engine_->device().cast(dst, {in.data(), DType::kF32, l.numel}, stream);
+  return sync(stream).with_context("writing the gradients of unit " +
+                                   engine_->unit_spec(unit_).name);
+}
 
 Status UnitScope::finish() {
   if (engine_ == nullptr) return Status::ok();
@@ -1186,21 +1260,22 @@ Result<UnitScope> Engine::gather(size_t unit) {
   return scope;
 }
 
-void* Engine::scope_grads(UnitScope& scope) {
+Result<TensorView> Engine::scope_grads(UnitScope& scope) {
+  Impl& s = *impl_;
+  const auto& l = s.unit_states[scope.unit_].layout;
+  const std::string& name = s.units[scope.unit_].name;
   if (!scope.grads_) {
-    Impl& s = *impl_;
-    const auto& l = s.unit_states[scope.unit_].layout;
-    auto g =
+    ZINF_ASSIGN_OR_RETURN(
+        DeviceBuffer g,
         s.store->allocate_device(l.numel_padded * dtype_size(s.s.dtype), MemoryCategory::kGradients,
-                                 "gradient buffer of " + s.units[scope.unit_].name);
-    if (!g.is_ok()) {
-      if (s.sticky.is_ok()) s.sticky = g.status();
-      return nullptr;
-    }
-    std::memset(g->data(), 0, g->bytes());
-    scope.grads_ = std::move(g).value();
+                                 "gradient buffer of " + name));
+    s.device->fill({.data = g.data(), .dtype = DType::kF32, .numel = g.bytes() / 4}, 0.0f,
+                   *s.stream);
+    ZINF_RETURN_IF_ERROR(sync(*s.stream).with_context("zeroing the gradient buffer of " + name));
+    scope.grads_ = std::move(g);
   }
-  return scope.grads_.data();
+  return TensorView(scope.grads_.data(), s.s.dtype, l.numel_padded,
+                    "the gradients of unit " + name);
 }
 
 Status Engine::end_scope(UnitScope& scope) {
@@ -1239,6 +1314,11 @@ Status Engine::step() {
 }
 
 float Engine::loss_scale() const { return impl_->scale; }
+
+Device& Engine::device() const { return *impl_->device; }
+Stream& Engine::stream() const { return *impl_->stream; }
+uint64_t Engine::device_budget_bytes() const { return impl_->device->budget_bytes(); }
+uint64_t Engine::host_budget_bytes() const { return impl_->pool->budget_bytes(); }
 
 StoreStats Engine::store_stats() const { return impl_->store->stats(); }
 

@@ -1,3 +1,7 @@
+#include <sys/mman.h>
+
+#include <cerrno>
+#include <cmath>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -5,6 +9,7 @@
 #include <map>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "zinf/core/units.h"
 #include "zinf/memory/device.h"
@@ -131,15 +136,72 @@ class CpuStream final : public Stream {
   std::thread thread_;
 };
 
+// The device's allocations, for the strict variant: which are open to host code right now.
+// An operation opens the allocations its operands lie in for its duration (counted, so that
+// operations on several streams and comm windows may share one); the last to close maps the
+// allocation PROT_NONE again.
+class Regions {
+ public:
+  void add(void* base, uint64_t bytes) {
+    std::lock_guard lock(mu_);
+    regions_[reinterpret_cast<uintptr_t>(base)] = Region{.bytes = bytes};
+  }
+  void remove(void* base) {
+    std::lock_guard lock(mu_);
+    regions_.erase(reinterpret_cast<uintptr_t>(base));
+  }
+  // Opens the allocations holding each of `ranges` (pointers outside the device are host
+  // memory and left alone); returns the bases opened, for close().
+  std::vector<uintptr_t> open(std::initializer_list<std::pair<const void*, uint64_t>> ranges) {
+    std::vector<uintptr_t> opened;
+    std::lock_guard lock(mu_);
+    for (auto [p, bytes] : ranges) {
+      if (p == nullptr || bytes == 0) continue;
+      auto it = find(reinterpret_cast<uintptr_t>(p));
+      if (it == regions_.end()) continue;
+      if (it->second.opens++ == 0) protect(it->first, it->second.bytes, PROT_READ | PROT_WRITE);
+      opened.push_back(it->first);
+    }
+    return opened;
+  }
+  void close(const std::vector<uintptr_t>& opened) {
+    std::lock_guard lock(mu_);
+    for (uintptr_t base : opened) {
+      auto it = regions_.find(base);
+      if (it == regions_.end()) continue;  // freed while open: nothing left to protect
+      if (--it->second.opens == 0) protect(it->first, it->second.bytes, PROT_NONE);
+    }
+  }
+
+ private:
+  struct Region {
+    uint64_t bytes = 0;
+    int opens = 0;
+  };
+  std::map<uintptr_t, Region>::iterator find(uintptr_t p) {
+    auto it = regions_.upper_bound(p);
+    if (it == regions_.begin()) return regions_.end();
+    --it;
+    return p < it->first + it->second.bytes ? it : regions_.end();
+  }
+  static void protect(uintptr_t base, uint64_t bytes, int prot) {
+    // Failing here would leave host code free to touch device memory (or an operation unable
+    // to): a broken invariant, not a recoverable error.
+    ZINF_CHECK(::mprotect(reinterpret_cast<void*>(base), bytes, prot) == 0,
+               "mprotect of strict device memory failed: {}", std::strerror(errno));
+  }
+  std::mutex mu_;
+  std::map<uintptr_t, Region> regions_;
+};
+
 class CpuDevice final : public Device {
  public:
   explicit CpuDevice(const CpuDeviceOptions& o) : options_(o) {}
   ~CpuDevice() override {
-    for (auto& [size, p] : cache_) std::free(p);
+    for (auto& [size, p] : cache_) unmap(p, size);
   }
 
-  std::string name() const override { return "cpu"; }
-  bool host_addressable() const override { return true; }
+  std::string name() const override { return options_.strict ? "cpu-strict" : "cpu"; }
 
   Result<DeviceBuffer> allocate(uint64_t bytes, MemoryCategory category) override {
     if (bytes == 0) return DeviceBuffer();
@@ -157,7 +219,7 @@ class CpuDevice final : public Device {
         // The budget covers blocks in use and cached ones; drop cached blocks to make room.
         while (in_use_ + cached_ + padded > options_.budget_bytes && !cache_.empty()) {
           auto last = std::prev(cache_.end());
-          std::free(last->second);
+          unmap(last->second, last->first);
           cached_ -= last->first;
           cache_.erase(last);
         }
@@ -172,7 +234,7 @@ class CpuDevice final : public Device {
       }
       in_use_ += padded;
     }
-    if (p == nullptr) p = std::aligned_alloc(4096, padded);
+    if (p == nullptr) p = map(padded);
     if (p == nullptr) {
       std::lock_guard lock(mu_);
       in_use_ -= padded;
@@ -188,10 +250,81 @@ class CpuDevice final : public Device {
   }
 
   void copy_async(void* dst, const void* src, uint64_t bytes, Stream& stream) override {
-    stream.enqueue([dst, src, bytes] {
-      std::memcpy(dst, src, bytes);
-      return Status::ok();
+    run(stream, {{dst, bytes}, {src, bytes}}, [=] { std::memcpy(dst, src, bytes); });
+  }
+
+  void fill(TensorRef dst, float value, Stream& stream) override {
+    run(stream, {{dst.data, dst.bytes()}}, [=] {
+      if (value == 0.0f && !std::signbit(value)) {
+        std::memset(dst.data, 0, dst.bytes());
+        return;
+      }
+      const float one[1] = {value};
+      alignas(4) uint16_t half[1];
+      const void* element = one;
+      if (dst.dtype != DType::kF32) {
+        kernels::cast(one, DType::kF32, half, dst.dtype, 1, 1);
+        element = half;
+      }
+      const size_t size = dtype_size(dst.dtype);
+      auto* out = static_cast<char*>(dst.data);
+      for (uint64_t i = 0; i < dst.numel; ++i) std::memcpy(out + i * size, element, size);
     });
+  }
+
+  void accumulate(TensorRef acc, ConstTensorRef src, bool overwrite, Stream& stream) override {
+    ZINF_CHECK(acc.dtype == DType::kF32 && acc.numel == src.numel,
+               "accumulate: an fp32 accumulator of the source's length (got {} x {}, {} x {})",
+               dtype_name(acc.dtype), acc.numel, dtype_name(src.dtype), src.numel);
+    const int threads = options_.threads;
+    run(stream, {{acc.data, acc.bytes()}, {src.data, src.bytes()}}, [=] {
+      kernels::accumulate(static_cast<float*>(acc.data), src.data, src.dtype, src.numel, overwrite,
+                          threads);
+    });
+  }
+
+  void cast(TensorRef dst, ConstTensorRef src, Stream& stream) override {
+    ZINF_CHECK(dst.numel == src.numel, "cast: {} elements into {}", src.numel, dst.numel);
+    const int threads = options_.threads;
+    run(stream, {{dst.data, dst.bytes()}, {src.data, src.bytes()}},
+        [=] { kernels::cast(src.data, src.dtype, dst.data, dst.dtype, src.numel, threads); });
+  }
+
+  void scale(TensorRef x, float factor, bool* found_nonfinite, Stream& stream) override {
+    const int threads = options_.threads;
+    run(stream, {{x.data, x.bytes()}}, [=] {
+      kernels::scale_inplace(x.data, x.dtype, x.numel, factor, threads);
+      if (found_nonfinite) {
+        *found_nonfinite = kernels::grad_has_nonfinite(x.data, x.dtype, x.numel, threads);
+      }
+    });
+  }
+
+  void sum_squares_blocks(ConstTensorRef x, float factor, double* block_sums,
+                          Stream& stream) override {
+    const int threads = options_.threads;
+    run(stream, {{x.data, x.bytes()}}, [=] {
+      kernels::grad_sum_squares_blocks(x.data, x.dtype, x.numel, factor, block_sums, threads);
+    });
+  }
+
+  void adam(const kernels::AdamConfig& config, const kernels::AdamStepArgs& args,
+            const kernels::AdamTensors& t, Stream& stream) override {
+    const int threads = options_.threads;
+    const uint64_t f32 = t.n * 4;
+    run(stream,
+        {{t.param, f32},
+         {t.m, f32},
+         {t.v, f32},
+         {t.grad, t.n * dtype_size(t.grad_dtype)},
+         {t.param_copy, t.param_copy ? t.n * dtype_size(t.copy_dtype) : 0}},
+        [=] { (void)kernels::adam_step(config, args, t, threads); });
+  }
+
+  CommWindow comm_window(const void* data, uint64_t bytes) override {
+    if (!options_.strict) return CommWindow();
+    std::vector<uintptr_t> opened = regions_.open({{data, bytes}});
+    return CommWindow([this, opened = std::move(opened)] { regions_.close(opened); });
   }
 
   uint64_t budget_bytes() const override { return options_.budget_bytes; }
@@ -211,7 +344,48 @@ class CpuDevice final : public Device {
   }
 
  private:
+  // Enqueues `body` with the device allocations its operands lie in open to it (strict).
+  template <typename Body>
+  void run(Stream& stream, std::initializer_list<std::pair<const void*, uint64_t>> operands,
+           Body body) {
+    if (!options_.strict) {
+      stream.enqueue([body = std::move(body)] {
+        body();
+        return Status::ok();
+      });
+      return;
+    }
+    std::vector<std::pair<const void*, uint64_t>> ops(operands);
+    stream.enqueue([this, ops = std::move(ops), body = std::move(body)] {
+      std::vector<uintptr_t> opened;
+      for (const auto& op : ops) {
+        std::vector<uintptr_t> one = regions_.open({op});
+        opened.insert(opened.end(), one.begin(), one.end());
+      }
+      body();
+      regions_.close(opened);
+      return Status::ok();
+    });
+  }
+
+  void* map(uint64_t bytes) {
+    if (!options_.strict) return std::aligned_alloc(4096, bytes);
+    void* p = ::mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return nullptr;
+    regions_.add(p, bytes);
+    return p;
+  }
+  void unmap(void* p, uint64_t bytes) {
+    if (!options_.strict) {
+      std::free(p);
+      return;
+    }
+    regions_.remove(p);
+    ::munmap(p, bytes);
+  }
+
   CpuDeviceOptions options_;
+  Regions regions_;
   mutable std::mutex mu_;
   uint64_t in_use_ = 0;
   uint64_t cached_ = 0;
@@ -219,6 +393,37 @@ class CpuDevice final : public Device {
 };
 
 }  // namespace
+
+std::string_view device_kind_name(DeviceKind kind) {
+  switch (kind) {
+    case DeviceKind::kAuto:
+      return "auto";
+    case DeviceKind::kCpu:
+      return "cpu";
+    case DeviceKind::kCpuStrict:
+      return "cpu-strict";
+  }
+  return "?";
+}
+
+std::optional<DeviceKind> parse_device_kind(std::string_view name) {
+  for (DeviceKind k : {DeviceKind::kAuto, DeviceKind::kCpu, DeviceKind::kCpuStrict}) {
+    if (name == device_kind_name(k)) return k;
+  }
+  return std::nullopt;
+}
+
+Result<DeviceKind> resolve_device_kind(DeviceKind kind) {
+  if (kind != DeviceKind::kAuto) return kind;
+  const char* env = std::getenv("ZINF_DEVICE");
+  if (env == nullptr || *env == '\0') return DeviceKind::kCpu;
+  auto parsed = parse_device_kind(env);
+  if (!parsed || *parsed == DeviceKind::kAuto) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "ZINF_DEVICE must be cpu or cpu-strict, got '{}'", env);
+  }
+  return *parsed;
+}
 
 std::unique_ptr<Device> make_cpu_device(const CpuDeviceOptions& options) {
   return std::make_unique<CpuDevice>(options);

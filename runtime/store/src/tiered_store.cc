@@ -101,6 +101,15 @@ struct TieredTensorStore::Impl {
   }
 
   // ---- data movement (no store lock held) ----------------------------------------------------
+  Status zero_device(void* ptr, uint64_t bytes) {
+    Lane* lane = take_lane();
+    o.device->fill({.data = ptr, .dtype = DType::kF32, .numel = bytes / 4}, 0.0f, *lane->stream);
+    Status s = lane->stream->record().wait();
+    if (!s.is_ok()) (void)lane->stream->synchronize();
+    give_lane(lane);
+    return s;
+  }
+
   struct Endpoint {
     Tier tier;
     void* ptr;            // device/host memory
@@ -605,7 +614,21 @@ Result<TensorId> TieredTensorStore::create_tensor(const TensorSpec& spec) {
     return st;
   }
   Tensor* placed = s.get(id);
-  std::memset(placed->copies[idx(spec.home)].ptr, 0, placed->padded);
+  if (spec.home == Tier::kDevice) {
+    // Device memory is reached only through the device's operations.
+    void* ptr = placed->copies[idx(spec.home)].ptr;
+    const uint64_t bytes = placed->padded;
+    lk.unlock();
+    Status zs = s.zero_device(ptr, bytes);
+    lk.lock();
+    placed = s.get(id);
+    if (!zs.is_ok()) {
+      s.tensors[id].reset();
+      return std::move(zs).with_context("zeroing tensor " + spec.name + " on the device");
+    }
+  } else {
+    std::memset(placed->copies[idx(spec.home)].ptr, 0, placed->padded);
+  }
   placed->copies[idx(spec.home)].valid = true;
   placed->creating = false;
   return id;

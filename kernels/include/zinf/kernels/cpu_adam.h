@@ -109,4 +109,11 @@ void scale_inplace(void* data, DType dtype, size_t n, float scale, int threads =
 void cast(const void* src, DType src_dtype, void* dst, DType dst_dtype, size_t n, int threads = 0,
           Isa isa = Isa::kAuto);
 
+// acc[i] += (float)src[i] for an fp32, bf16 or fp16 source, in element order (the gradient
+// accumulation of micro-steps). With `overwrite`, acc[i] = 0.0f + (float)src[i] without reading
+// acc: the same bits as adding into a zeroed accumulator (-0 becomes +0), so a lazily zeroed
+// accumulator need not be written first.
+void accumulate(float* acc, const void* src, DType src_dtype, size_t n, bool overwrite,
+                int threads = 0);
+
 }  // namespace zinf::kernels

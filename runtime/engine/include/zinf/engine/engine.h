@@ -34,7 +34,9 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "zinf/comm/communicator.h"
@@ -107,6 +109,9 @@ struct EngineSettings {
   bool pipeline_read = true;
   bool pipeline_write = true;
   int optimizer_threads = 0;  // CPU Adam threads; 0 = all
+  // The device of the top tier: the CPU device, or its strict variant (tests); kAuto reads
+  // $ZINF_DEVICE (cpu, cpu-strict) and defaults to cpu.
+  DeviceKind device = DeviceKind::kAuto;
   uint64_t seed = 0;
 };
 
@@ -114,6 +119,40 @@ struct EngineSettings {
 using InitFn = std::function<float(size_t unit, uint64_t element, uint64_t seed)>;
 
 class Engine;
+
+// A typed span of device memory. Host code never dereferences `data` (on the strict CPU device it
+// faults): pass it to the device's operations (Engine::device()).
+template <typename T>
+struct DeviceSpan {
+  T* data = nullptr;
+  uint64_t size = 0;  // elements
+};
+
+// A unit's flat buffer on the device, with its element type. as<T>() with the wrong T is an
+// error naming both types, never a reinterpretation.
+class TensorView {
+ public:
+  TensorView() = default;
+  TensorView(void* data, DType dtype, uint64_t numel, std::string what)
+      : data_(data), dtype_(dtype), numel_(numel), what_(std::move(what)) {}
+  DType dtype() const { return dtype_; }
+  uint64_t numel() const { return numel_; }
+  TensorRef ref() const { return {.data = data_, .dtype = dtype_, .numel = numel_}; }
+  template <typename T>
+  Result<DeviceSpan<T>> as() const {
+    if (element_dtype<std::remove_const_t<T>> != dtype_) {
+      return make_error(ErrorCode::kInvalidArgument, "{} holds {} elements, asked for {}", what_,
+                        dtype_name(dtype_), dtype_name(element_dtype<std::remove_const_t<T>>));
+    }
+    return DeviceSpan<T>{.data = static_cast<T*>(data_), .size = numel_};
+  }
+
+ private:
+  void* data_ = nullptr;
+  DType dtype_ = DType::kF32;
+  uint64_t numel_ = 0;
+  std::string what_;
+};
 
 // A unit's parameters gathered on the device for the duration of a scope.
 class UnitScope {
@@ -127,11 +166,20 @@ class UnitScope {
 
   size_t unit() const { return unit_; }
   const zero::ShardLayout& layout() const;
-  // The unit's full flat parameters (working dtype, numel_padded elements).
-  void* params() const { return params_; }
-  // The unit's full flat gradient buffer (working dtype), zero the first time it is asked for
-  // in this scope. Accumulate into it; it is reduced into the owning shards at scope end.
-  void* grads();
+  // The unit's full flat parameters on the device (working dtype, numel_padded elements).
+  TensorView params() const;
+  // The unit's full flat gradient buffer on the device (working dtype, numel_padded elements),
+  // zero the first time it is asked for in this scope. Accumulate into it (device operations);
+  // it is reduced into the owning shards at scope end.
+  Result<TensorView> grads();
+
+  // For a model that computes on the host: the first layout().numel parameters converted to fp32
+  // into `out` (at least that long), through the device's operations.
+  Status params_to_host(std::span<float> out) const;
+  // The unit's gradients from the host: `in` (layout().numel fp32 values) converted to the
+  // working dtype into grads(), replacing what it held (16-bit gradients for bf16/fp16).
+  Status grads_from_host(std::span<const float> in);
+
   // Ends the scope now and reports what failed (the destructor can only record it).
   Status finish();
 
@@ -139,7 +187,7 @@ class UnitScope {
   friend class Engine;
   Engine* engine_ = nullptr;
   size_t unit_ = 0;
-  void* params_ = nullptr;
+  void* params_ = nullptr;     // device memory
   TensorHandle param_handle_;  // stages 0-2: the resident full parameters
   DeviceBuffer grads_;
   std::chrono::steady_clock::time_point opened_;  // for the trace
@@ -207,6 +255,13 @@ class Engine {
   const zero::ShardLayout& layout(size_t unit) const;
   const zero::UnitSpec& unit_spec(size_t unit) const;
   const EngineSettings& settings() const { return settings_; }
+  // The budgets and device this rank runs with (EngineSettings' automatic values resolved).
+  uint64_t device_budget_bytes() const;
+  uint64_t host_budget_bytes() const;
+  // The device the engine computes on, and the stream its operations run on. A model may run its
+  // own operations on gathered parameters and gradients there.
+  Device& device() const;
+  Stream& stream() const;
   int rank() const;
   int world_size() const;
 
@@ -216,7 +271,7 @@ class Engine {
   friend class UnitScope;
   Engine(const EngineSettings& settings, std::unique_ptr<Impl> impl);
   Status end_scope(UnitScope& scope);
-  void* scope_grads(UnitScope& scope);
+  Result<TensorView> scope_grads(UnitScope& scope);
 
   EngineSettings settings_;
   std::unique_ptr<Impl> impl_;

@@ -1,26 +1,43 @@
-// Device, Stream, Event: the fastest tier behind one small contract (STYLE.md 3).
+// Device, Stream, Event: the fastest tier, and a compute backend, behind one small contract
+// (STYLE.md 3; the shape of ggml-backend: buffer -> stream -> operations).
 //
 //  - A Device allocates byte-budgeted buffers (going over budget is ErrorCode::kOutOfMemory
-//    naming the request and the budget, as on a GPU), creates streams, and copies
-//    asynchronously on a stream between its memory and pinned host memory.
-//  - A Stream runs its work in order. enqueue() and copy_async() never block the caller;
-//    wait_for(event) makes later work on this stream wait for another stream's event without
-//    blocking the host. Work reports a Status; the first failure on a stream is sticky: every
-//    event recorded after it reports it, and synchronize() returns (and clears) it.
+//    naming the request and the budget, as on a GPU), creates streams, and runs operations on
+//    them. Device memory is reached ONLY through these operations: host code never reads or
+//    writes it (the strict CPU device makes any such access fault at once). The operations:
+//    copies between device memory and host memory, fill, accumulate with dtype conversion, cast,
+//    scale with a non-finite flag, deterministic blocked sum of squares, and Adam/AdamW over
+//    device-resident state (kernels::adam_step's element function).
+//  - Operands of an operation are the device's own memory or host memory (pinned under CUDA, so
+//    kernels and DMA reach it); results that the host reads (the non-finite flag, the block
+//    sums) are written to host memory when the operation runs. An operation's operands belong to
+//    it from the call until an event recorded after it completes.
+//  - A Stream runs its operations in order. Enqueueing never blocks the caller; wait_for(event)
+//    makes later work on this stream wait for another stream's event without blocking the host.
+//    Work reports a Status; the first failure on a stream is sticky: every event recorded after
+//    it reports it, and synchronize() returns (and clears) it.
 //  - An Event marks a point in a stream: ready(), wait() (blocks the host).
+//  - Communicators that run on the host (local threads, MPI) reach device memory only through a
+//    CommWindow: the range is reachable by the communicator while the window lives. A device
+//    whose collectives reach its memory natively (CUDA with NCCL) returns a no-op window.
 //
 // CpuDevice implements the contract without a GPU (memory from the host heap under a budget,
-// each stream a thread), so every tier path runs on CPU-only machines. CudaDevice (cudaMalloc,
-// cudaStream_t, cudaEvent_t, cudaMemcpyAsync from pinned memory) lands with the CUDA work and
-// keeps the same contract.
+// each stream a thread, the operations calling the SIMD kernels of kernels/), so every tier
+// path runs on CPU-only machines. Its strict variant maps its memory PROT_NONE except while an
+// operation (or a CommWindow) uses it. CudaDevice (the CUDA work) keeps the same contract.
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
+#include <utility>
 
+#include "zinf/core/dtype.h"
 #include "zinf/core/status.h"
+#include "zinf/kernels/cpu_adam.h"
 #include "zinf/memory/accounting.h"
 
 namespace zinf {
@@ -37,6 +54,24 @@ class Event {
 
  private:
   std::shared_ptr<State> state_;
+};
+
+// An operand of a device operation: `numel` elements of `dtype` at `data`, in the device's
+// memory or in host memory. Host code must not dereference `data` when it is device memory.
+struct TensorRef {
+  void* data = nullptr;
+  DType dtype = DType::kF32;
+  uint64_t numel = 0;
+  uint64_t bytes() const { return numel * dtype_size(dtype); }
+};
+struct ConstTensorRef {
+  const void* data = nullptr;
+  DType dtype = DType::kF32;
+  uint64_t numel = 0;
+  ConstTensorRef() = default;
+  ConstTensorRef(const void* d, DType t, uint64_t n) : data(d), dtype(t), numel(n) {}
+  ConstTensorRef(const TensorRef& r) : data(r.data), dtype(r.dtype), numel(r.numel) {}  // NOLINT
+  uint64_t bytes() const { return numel * dtype_size(dtype); }
 };
 
 class Stream {
@@ -81,13 +116,58 @@ class Device {
  public:
   virtual ~Device() = default;
   virtual std::string name() const = 0;
-  // True when device memory is ordinary host memory (CpuDevice): host code may touch it.
-  virtual bool host_addressable() const = 0;
 
   virtual Result<DeviceBuffer> allocate(uint64_t bytes, MemoryCategory category) = 0;
   virtual std::unique_ptr<Stream> create_stream(std::string name) = 0;
-  // Asynchronous copy on `stream`; either side may be device memory or pinned host memory.
+
+  // ---- operations, enqueued on a stream (the contract above) ----
+  // Copies `bytes`; either side may be device memory or host memory.
   virtual void copy_async(void* dst, const void* src, uint64_t bytes, Stream& stream) = 0;
+  // dst[i] = value converted to dst.dtype.
+  virtual void fill(TensorRef dst, float value, Stream& stream) = 0;
+  // acc[i] += (float)src[i] (acc is fp32; src any dtype, src.numel == acc.numel). With
+  // `overwrite`, acc[i] = 0.0f + (float)src[i] and acc is not read (kernels::accumulate).
+  virtual void accumulate(TensorRef acc, ConstTensorRef src, bool overwrite, Stream& stream) = 0;
+  // dst[i] = src[i] converted to dst.dtype (round to nearest even); equal numel.
+  virtual void cast(TensorRef dst, ConstTensorRef src, Stream& stream) = 0;
+  // x[i] *= factor in place; then *found_nonfinite (host memory, may be null) is set to whether
+  // any element is inf or NaN.
+  virtual void scale(TensorRef x, float factor, bool* found_nonfinite, Stream& stream) = 0;
+  // block_sums[b] = sum over block b of ((double)(float)x[i] * factor)^2, blocks of
+  // kernels::kSumSquaresBlockElems elements (host memory, kernels::sum_squares_block_count(n)
+  // doubles). Fixed blocks make the total independent of threads and of how x is cut.
+  virtual void sum_squares_blocks(ConstTensorRef x, float factor, double* block_sums,
+                                  Stream& stream) = 0;
+  // One Adam/AdamW step over device-resident state (kernels::adam_step; the same element
+  // function on every backend, so the results are bit-identical to the CPU's).
+  virtual void adam(const kernels::AdamConfig& config, const kernels::AdamStepArgs& args,
+                    const kernels::AdamTensors& tensors, Stream& stream) = 0;
+
+  // A window through which a host-side communicator reaches [data, data + bytes) of device
+  // memory until the window is destroyed (see the contract above).
+  class CommWindow {
+   public:
+    CommWindow() = default;
+    explicit CommWindow(std::function<void()> close) : close_(std::move(close)) {}
+    CommWindow(CommWindow&& o) noexcept : close_(std::exchange(o.close_, nullptr)) {}
+    CommWindow& operator=(CommWindow&& o) noexcept {
+      if (this != &o) {
+        reset();
+        close_ = std::exchange(o.close_, nullptr);
+      }
+      return *this;
+    }
+    CommWindow(const CommWindow&) = delete;
+    CommWindow& operator=(const CommWindow&) = delete;
+    ~CommWindow() { reset(); }
+    void reset() {
+      if (close_) std::exchange(close_, nullptr)();
+    }
+
+   private:
+    std::function<void()> close_;
+  };
+  virtual CommWindow comm_window(const void* data, uint64_t bytes) = 0;
 
   virtual uint64_t budget_bytes() const = 0;
   virtual uint64_t bytes_in_use() const = 0;
@@ -98,9 +178,39 @@ class Device {
   virtual void release(void* data, uint64_t bytes, MemoryCategory category) = 0;
 };
 
+// Element types of device memory as the typed views name them (bit patterns, never dereferenced
+// by host code on device memory).
+struct BFloat16 {
+  uint16_t bits;
+};
+struct Float16 {
+  uint16_t bits;
+};
+template <typename T>
+inline constexpr DType element_dtype = DType::kF32;  // float
+template <>
+inline constexpr DType element_dtype<BFloat16> = DType::kBF16;
+template <>
+inline constexpr DType element_dtype<Float16> = DType::kF16;
+
+// Which device the engine computes on.
+enum class DeviceKind : uint8_t {
+  kAuto,       // $ZINF_DEVICE when set (cpu, cpu-strict), else cpu
+  kCpu,        // CpuDevice
+  kCpuStrict,  // CpuDevice with strict = true: every host access to device memory faults
+};
+std::string_view device_kind_name(DeviceKind kind);
+std::optional<DeviceKind> parse_device_kind(std::string_view name);
+// kAuto resolved from the environment; an unknown $ZINF_DEVICE is an error naming it.
+Result<DeviceKind> resolve_device_kind(DeviceKind kind);
+
 struct CpuDeviceOptions {
   uint64_t budget_bytes = 1ull << 30;
   Ledger* ledger = nullptr;  // where allocations are accounted (Tier::kDevice); may be null
+  // Memory unreachable to host code outside the device's operations and comm windows
+  // (PROT_NONE otherwise): a stray host access faults at once. For tests; slower.
+  bool strict = false;
+  int threads = 0;  // threads of the operations' kernels; 0 = all
 };
 
 std::unique_ptr<Device> make_cpu_device(const CpuDeviceOptions& options);
