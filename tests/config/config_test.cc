@@ -93,12 +93,8 @@ TEST(Config, EmptyObjectGivesDeepSpeedDefaults) {
 
   const ZeroConfig& z = c.zero;
   EXPECT_EQ(z.stage, 0);
-  EXPECT_TRUE(z.contiguous_gradients);
   EXPECT_FALSE(z.overlap_comm);
-  EXPECT_TRUE(z.reduce_scatter);
   EXPECT_EQ(z.reduce_bucket_size, 500'000'000u);
-  EXPECT_TRUE(z.allgather_partitions);
-  EXPECT_EQ(z.allgather_bucket_size, 500'000'000u);
   EXPECT_EQ(z.sub_group_size, 1'000'000'000u);
   EXPECT_EQ(z.stage3_prefetch_bucket_size, 50'000'000u);
   EXPECT_EQ(z.stage3_param_persistence_threshold, 100'000u);
@@ -106,7 +102,6 @@ TEST(Config, EmptyObjectGivesDeepSpeedDefaults) {
   EXPECT_EQ(z.stage3_max_reuse_distance, 1'000'000'000u);
   EXPECT_EQ(z.offload_param.device, OffloadDevice::kNone);
   EXPECT_EQ(z.offload_param.buffer_count, 5);
-  EXPECT_EQ(z.offload_param.buffer_size, 100'000'000u);
   EXPECT_EQ(z.offload_param.max_in_cpu, 1'000'000'000u);
   EXPECT_FALSE(z.offload_param.pin_memory);
   EXPECT_EQ(z.offload_optimizer.device, OffloadDevice::kNone);
@@ -114,24 +109,23 @@ TEST(Config, EmptyObjectGivesDeepSpeedDefaults) {
   EXPECT_EQ(z.offload_optimizer.ratio, 1.0);
   EXPECT_FALSE(z.offload_optimizer.pipeline_read);
   EXPECT_FALSE(z.offload_optimizer.pipeline_write);
-  EXPECT_FALSE(z.offload_optimizer.fast_init);
 
   EXPECT_EQ(c.aio.block_size, 1048576u);
   EXPECT_EQ(c.aio.queue_depth, 8);
   EXPECT_EQ(c.aio.intra_op_parallelism, 1);
   EXPECT_FALSE(c.aio.single_submit);
-  EXPECT_TRUE(c.aio.overlap_events);
-  EXPECT_FALSE(c.aio.use_gds);
 
   EXPECT_EQ(c.zinf.device_mem, 0u);
   EXPECT_EQ(c.zinf.host_mem, 0u);
   EXPECT_EQ(c.zinf.trace, "");
   EXPECT_EQ(c.zinf.seed, 0u);
   EXPECT_FALSE(c.zinf.checksum);
-  EXPECT_EQ(c.zinf.staging_bytes, 4u << 20);
+  EXPECT_EQ(c.zinf.staging_bytes, 2u << 20);
   EXPECT_TRUE(c.scheduler.is_null());
   EXPECT_THAT(c.unknown_keys, IsEmpty());
   EXPECT_THAT(c.auto_keys, IsEmpty());
+  EXPECT_THAT(c.ignored_keys, IsEmpty());
+  EXPECT_THAT(c.given_keys, IsEmpty());
   EXPECT_TRUE(validate(c, 1).is_ok());
 }
 
@@ -181,12 +175,18 @@ TEST(Config, Zero2CpuOffloadExampleLoads) {
   EXPECT_TRUE(c.zero.offload_optimizer.pin_memory);
   EXPECT_EQ(c.zero.offload_optimizer.buffer_count, 4);
   EXPECT_FALSE(c.zero.offload_param.enabled());
-  EXPECT_EQ(c.zero.allgather_bucket_size, 200'000'000u);
   EXPECT_EQ(c.zero.reduce_bucket_size, 200'000'000u);
   EXPECT_TRUE(c.zero.overlap_comm);
   EXPECT_EQ(c.scheduler["type"], "WarmupLR");
   EXPECT_EQ(c.scheduler["params"]["warmup_num_steps"], 500);
-  EXPECT_THAT(c.unknown_keys, IsEmpty());  // steps_per_print, round_robin_gradients, ...
+  EXPECT_THAT(c.unknown_keys, IsEmpty());
+  EXPECT_THAT(
+      c.ignored_keys,
+      ElementsAre("scheduler", "steps_per_print", "wall_clock_breakdown",
+                  "zero_allow_untested_optimizer", "zero_optimization.allgather_bucket_size",
+                  "zero_optimization.allgather_partitions",
+                  "zero_optimization.contiguous_gradients", "zero_optimization.reduce_scatter",
+                  "zero_optimization.round_robin_gradients"));
 
   for (int world : {1, 2, 4, 8}) {
     Config resolved = c;
@@ -218,7 +218,6 @@ TEST(Config, Zero3NvmeInfinityExampleLoads) {
   EXPECT_EQ(z.sub_group_size, 100'000'000u);
   EXPECT_EQ(z.offload_param.device, OffloadDevice::kNvme);
   EXPECT_THAT(z.offload_param.nvme_path, ElementsAre("/local_nvme"));
-  EXPECT_EQ(z.offload_param.buffer_size, 1'000'000'000u);
   EXPECT_EQ(z.offload_param.max_in_cpu, 1'000'000'000u);
   EXPECT_TRUE(z.offload_param.pin_memory);
   EXPECT_EQ(z.offload_optimizer.device, OffloadDevice::kNvme);
@@ -229,7 +228,6 @@ TEST(Config, Zero3NvmeInfinityExampleLoads) {
   EXPECT_EQ(c.aio.block_size, 262144u);
   EXPECT_EQ(c.aio.queue_depth, 32);
   EXPECT_EQ(c.aio.intra_op_parallelism, 2);
-  EXPECT_TRUE(c.aio.overlap_events);
 
   EXPECT_EQ(c.zinf.host_mem, 48ull << 30);
   EXPECT_EQ(c.zinf.device_mem, 16ull << 30);
@@ -349,7 +347,9 @@ TEST(Config, UnknownKeysAreCollectedWithPathsAndWarnedOnce) {
   EXPECT_EQ(warnings, 1);
 }
 
-TEST(Config, AcceptedDeepSpeedKeysDoNotWarn) {
+// DeepSpeed keys zinf accepts and does not act on: any value of the right JSON type, or "auto",
+// is accepted (no range check: nothing uses the value), and ONE warning names those set.
+TEST(Config, AcceptedButIgnoredKeysAreNamedInOneWarning) {
   LogCapture capture;
   Config c = parse_ok(R"({
     "train_batch_size": 16, "steps_per_print": 10, "wall_clock_breakdown": false,
@@ -360,27 +360,93 @@ TEST(Config, AcceptedDeepSpeedKeysDoNotWarn) {
     "optimizer": {"type": "adamw", "params": {"torch_adam": true}},
     "zero_optimization": {
       "stage": 3, "round_robin_gradients": false,
-      "stage3_gather_16bit_weights_on_model_save": true,
-      "stage3_gather_fp16_weights_on_model_save": true, "memory_efficient_linear": true,
-      "load_from_fp32_weights": true, "elastic_checkpoint": false,
-      "ignore_unused_parameters": true, "allgather_partitions": true,
-      "offload_optimizer": {"device": "cpu", "pipeline": false}
-    }
+      "stage3_gather_16bit_weights_on_model_save": "auto",
+      "contiguous_gradients": false, "allgather_bucket_size": 0, "reduce_scatter": false,
+      "allgather_partitions": true, "stage3_model_persistence_threshold": -1.5,
+      "offload_param": {"device": "cpu", "buffer_size": 0},
+      "offload_optimizer": {"device": "cpu", "pipeline": false, "fast_init": true}
+    },
+    "aio": {"overlap_events": false, "use_gds": true}
   })");
   EXPECT_THAT(c.unknown_keys, IsEmpty());
-  EXPECT_THAT(capture.text(), ::testing::Not(HasSubstr("warning")));
+  EXPECT_THAT(
+      c.ignored_keys,
+      ElementsAre(
+          "aio.overlap_events", "aio.use_gds", "bf16.immediate_grad_update",
+          "communication_data_type", "fp16.auto_cast", "fp16.consecutive_hysteresis",
+          "gradient_predivide_factor", "optimizer.params.torch_adam", "prescale_gradients",
+          "steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer",
+          "zero_optimization.allgather_bucket_size", "zero_optimization.allgather_partitions",
+          "zero_optimization.contiguous_gradients", "zero_optimization.offload_optimizer.fast_init",
+          "zero_optimization.offload_param.buffer_size", "zero_optimization.reduce_scatter",
+          "zero_optimization.round_robin_gradients",
+          "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+          "zero_optimization.stage3_model_persistence_threshold"));
+  int warnings = 0;
+  for (const std::string& line : capture.lines()) {
+    if (line.find("warning") == std::string::npos) continue;
+    ++warnings;
+    EXPECT_THAT(line, HasSubstr("21 DeepSpeed key(s) accepted but not acted on by zinf"));
+    EXPECT_THAT(line, HasSubstr("aio.use_gds"));
+    EXPECT_THAT(line, HasSubstr("zero_optimization.offload_param.buffer_size"));
+  }
+  EXPECT_EQ(warnings, 1) << capture.text();
   EXPECT_EQ(c.train_batch_size, 16);
   EXPECT_EQ(c.optimizer.type, OptimizerConfig::Type::kAdamW);  // case-insensitive
+  EXPECT_EQ(to_json(c)["zero_optimization"].count("contiguous_gradients"), 0u)
+      << "an ignored key is not part of the effective configuration";
+
+  // Every listed key is in the catalogue (docs/configuration.md shows it with its reason).
+  for (const std::string& key : c.ignored_keys) {
+    EXPECT_TRUE(std::any_of(accepted_but_ignored_keys().begin(), accepted_but_ignored_keys().end(),
+                            [&](const IgnoredKey& k) { return k.path == key; }))
+        << key;
+  }
+  // offload_param.max_in_cpu is acted on (EngineSettings::param_max_in_cpu), not ignored.
+  for (const IgnoredKey& k : accepted_but_ignored_keys()) {
+    EXPECT_NE(k.path, "zero_optimization.offload_param.max_in_cpu");
+    EXPECT_FALSE(k.why.empty()) << k.path;
+  }
+}
+
+TEST(Config, AConfigWithoutIgnoredKeysDoesNotWarn) {
+  LogCapture capture;
+  Config c = parse_ok(R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu",
+                         "max_in_cpu": 5e8}}, "aio": {"queue_depth": 16}})");
+  EXPECT_THAT(c.ignored_keys, IsEmpty());
+  EXPECT_EQ(c.zero.offload_param.max_in_cpu, 500'000'000u);
+  EXPECT_THAT(capture.text(), ::testing::Not(HasSubstr("warning")));
+}
+
+// given_keys: what the config sets, under the canonical path whatever name it used; "auto" and
+// null are not "set".
+TEST(Config, GivenKeysNameWhatTheConfigSets) {
+  Config c = parse_ok(R"({"zero_optimization": {"stage": 3, "prefetch_bucket_size": 5,
+                         "cpu_offload": true, "reduce_bucket_size": "auto",
+                         "overlap_comm": null},
+                         "bfloat16": {"enabled": true}, "aio": {"thread_count": 2}})");
+  for (const char* key :
+       {"zero_optimization.stage", "zero_optimization.prefetch_bucket_size",
+        "zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.cpu_offload",
+        "zero_optimization.offload_optimizer.device", "bfloat16.enabled", "bf16.enabled",
+        "aio.thread_count", "aio.intra_op_parallelism"}) {
+    EXPECT_TRUE(config_sets(c, key)) << key;
+  }
+  for (const char* key : {"zero_optimization.reduce_bucket_size", "zero_optimization.overlap_comm",
+                          "fp16.enabled", "optimizer.params.lr"}) {
+    EXPECT_FALSE(config_sets(c, key)) << key;
+  }
+  EXPECT_TRUE(std::is_sorted(c.given_keys.begin(), c.given_keys.end()));
 }
 
 // ---- values as DeepSpeed writes them -----------------------------------------------------------
 
 TEST(Config, WholeFloatsAreIntegers) {
   Config c = parse_ok(R"({"zero_optimization": {"reduce_bucket_size": 5e8,
-                         "allgather_bucket_size": 1.25e9, "stage": 2.0},
+                         "sub_group_size": 1.25e9, "stage": 2.0},
                          "aio": {"queue_depth": 1.6e1}})");
   EXPECT_EQ(c.zero.reduce_bucket_size, 500'000'000u);
-  EXPECT_EQ(c.zero.allgather_bucket_size, 1'250'000'000u);
+  EXPECT_EQ(c.zero.sub_group_size, 1'250'000'000u);
   EXPECT_EQ(c.zero.stage, 2);
   EXPECT_EQ(c.aio.queue_depth, 16);
 }
@@ -451,7 +517,11 @@ const BadCase kBadCases[] = {
   {R"({"zero_optimization": {"stage": "3"}})", "zero_optimization.stage", "expected an integer in 0..3, got \"3\" (a string)"},
   {R"({"zero_optimization": {"stage": "auto"}})", "zero_optimization.stage", "\"auto\" is not accepted here"},
   {R"({"zero_optimization": {"stage": 2.5}})", "zero_optimization.stage", "expected an integer in 0..3, got 2.5"},
-  {R"({"zero_optimization": {"contiguous_gradients": "true"}})", "zero_optimization.contiguous_gradients", "expected true or false"},
+  {R"({"zero_optimization": {"contiguous_gradients": "true"}})", "zero_optimization.contiguous_gradients", "expected true or false (the key has no effect in zinf)"},
+  {R"({"zero_optimization": {"allgather_bucket_size": "5e8"}})", "zero_optimization.allgather_bucket_size", "expected a number (the key has no effect in zinf)"},
+  {R"({"aio": {"use_gds": 1}})", "aio.use_gds", "expected true or false"},
+  {R"({"tensorboard": true})", "tensorboard", "expected an object"},
+  {R"({"bfloat16": {"enabled": true, "check_grad_overflow": 0}})", "bfloat16.check_grad_overflow", "expected true or false"},
   {R"({"zero_optimization": {"reduce_bucket_size": 1.5}})", "zero_optimization.reduce_bucket_size", "expected a non-negative integer, got 1.5"},
   {R"({"zero_optimization": {"sub_group_size": 1e20}})", "zero_optimization.sub_group_size", "expected a non-negative integer"},
   {R"({"zero_optimization": 3})", "zero_optimization", "expected an object, got 3"},
@@ -464,13 +534,14 @@ const BadCase kBadCases[] = {
   {R"({"zinf": {"host_mem": "4X"}})", "zinf.host_mem", "expected a byte count"},
   {R"({"zinf": {"trace": 5}})", "zinf.trace", "expected a string"},
   {R"({"zinf": {"seed": -1}})", "zinf.seed", "expected a non-negative integer, got -1"},
+  {R"({"zinf": {"device_mem": 0}})", "zinf.device_mem", "expected a positive byte count, got 0; leave the key out for a budget that fits the machine"},
+  {R"({"zinf": {"host_mem": "0G"}})", "zinf.host_mem", "expected a positive byte count, got 0"},
   {"[1, 2]", "config", "expected a JSON object at the top level"},
   // ranges
   {R"({"zero_optimization": {"stage": 4}})", "zero_optimization.stage", "expected an integer in 0..3, got 4"},
   {R"({"zero_optimization": {"stage": -1}})", "zero_optimization.stage", "expected an integer in 0..3, got -1"},
   {R"({"zero_optimization": {"reduce_bucket_size": -1}})", "zero_optimization.reduce_bucket_size", "expected a non-negative integer, got -1"},
   {R"({"zero_optimization": {"reduce_bucket_size": 0}})", "zero_optimization.reduce_bucket_size", "expected a positive number of elements, got 0"},
-  {R"({"zero_optimization": {"allgather_bucket_size": 0}})", "zero_optimization.allgather_bucket_size", "expected a positive number of elements"},
   {R"({"zero_optimization": {"stage3_prefetch_bucket_size": -5e7}})", "zero_optimization.stage3_prefetch_bucket_size", "expected a non-negative integer"},
   {R"({"train_batch_size": 0})", "train_batch_size", "expected a positive integer, got 0"},
   {R"({"train_micro_batch_size_per_gpu": -2})", "train_micro_batch_size_per_gpu", "expected a positive integer, got -2"},
@@ -500,7 +571,6 @@ const BadCase kBadCases[] = {
   {R"({"aio": {"intra_op_parallelism": 0}})", "aio.intra_op_parallelism", "expected an integer >= 1"},
   {R"({"zinf": {"staging_bytes": 1000}})", "zinf.staging_bytes", "multiple of 1 MiB"},
   {R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "buffer_count": 0}}})", "zero_optimization.offload_param.buffer_count", "expected an integer >= 1"},
-  {R"({"zero_optimization": {"stage": 3, "offload_param": {"buffer_size": 0}}})", "zero_optimization.offload_param.buffer_size", "expected a positive number of elements"},
   {R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0}}})", "zero_optimization.offload_optimizer.ratio", "expected a fraction in (0, 1], got 0"},
   {R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 1.5}}})", "zero_optimization.offload_optimizer.ratio", "expected a fraction in (0, 1]"},
   {R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "gpu"}}})", "zero_optimization.offload_param.device", "expected one of \"none\", \"cpu\", \"nvme\", got \"gpu\""},
@@ -583,6 +653,8 @@ TEST(Config, LoadConfigPutsTheFileInFrontOfAValueError) {
 Config without_parse_notes(Config c) {
   c.unknown_keys.clear();
   c.auto_keys.clear();
+  c.ignored_keys.clear();
+  c.given_keys.clear();
   return c;
 }
 
@@ -590,12 +662,12 @@ void expect_round_trip(const Config& original) {
   json j = to_json(original);
   Result<Config> again = parse_config(j);
   ASSERT_TRUE(again.is_ok()) << again.status().to_string() << "\n" << j.dump(2);
-  EXPECT_EQ(*again, without_parse_notes(original)) << j.dump(2);
+  EXPECT_EQ(without_parse_notes(*again), without_parse_notes(original)) << j.dump(2);
   EXPECT_THAT(again->unknown_keys, IsEmpty()) << j.dump(2);
   // Through text as well: what log lines and files carry.
   Result<Config> from_text = parse_config_text(j.dump());
   ASSERT_TRUE(from_text.is_ok()) << from_text.status().to_string();
-  EXPECT_EQ(*from_text, without_parse_notes(original));
+  EXPECT_EQ(without_parse_notes(*from_text), without_parse_notes(original));
 }
 
 TEST(Config, ToJsonRoundTrips) {
@@ -626,9 +698,8 @@ TEST(Config, ToJsonRoundTrips) {
                                             .nvme_path = {"/a", "/b", "/c"},
                                             .buffer_count = 6,
                                             .pipeline_read = true,
-                                            .ratio = 0.3,
-                                            .fast_init = true}},
-             .aio = {.block_size = 8192, .single_submit = true, .use_gds = true},
+                                            .ratio = 0.3}},
+             .aio = {.block_size = 8192, .single_submit = true},
              .zinf = {.device_mem = 1, .trace = "t.json", .seed = ~0ull, .checksum = true},
              .scheduler = {{"type", "WarmupLR"}}};
   expect_round_trip(odd);

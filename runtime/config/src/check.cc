@@ -96,9 +96,6 @@ Status check_offload(const OffloadConfig& o, std::string_view block, int stage) 
   if (o.buffer_count < 1) {
     return invalid("{}.buffer_count: expected an integer >= 1, got {}", path, o.buffer_count);
   }
-  if (is_param && o.buffer_size == 0) {
-    return invalid("{}.buffer_size: expected a positive number of elements, got 0", path);
-  }
   if (!is_param && !(o.ratio > 0 && o.ratio <= 1)) {
     return invalid("{}.ratio: expected a fraction in (0, 1], got {}", path, o.ratio);
   }
@@ -131,11 +128,6 @@ Status check_zero(const ZeroConfig& z) {
   if (z.reduce_bucket_size == 0) {
     return invalid(
         "zero_optimization.reduce_bucket_size: expected a positive number of "
-        "elements, got 0");
-  }
-  if (z.allgather_bucket_size == 0) {
-    return invalid(
-        "zero_optimization.allgather_bucket_size: expected a positive number of "
         "elements, got 0");
   }
   ZINF_RETURN_IF_ERROR(check_offload(z.offload_param, "offload_param", z.stage));

@@ -43,6 +43,91 @@ std::string_view optimizer_type_name(OptimizerConfig::Type t) {
   return t == OptimizerConfig::Type::kAdamW ? "AdamW" : "Adam";
 }
 
+namespace {
+
+using IgnoredType = IgnoredKey::Type;
+
+constexpr std::string_view kHooks =
+    "tunes DeepSpeed's PyTorch hooks or checkpoint files, which zinf does not have";
+constexpr std::string_view kMonitoring =
+    "logging and monitoring: zinf reports through its own log, --log-json and trace file";
+constexpr std::string_view kAveraging =
+    "zinf averages gradients in one fixed, deterministic way (the communicator's rank-order "
+    "average)";
+
+// Every DeepSpeed key zinf accepts and does not act on; checked against what settings_from_config
+// (runtime/engine/src/settings.cc) and `zinf train` read. docs/configuration.md lists them too.
+constexpr IgnoredKey kIgnored[] = {
+    {"steps_per_print", IgnoredType::kNumber, kMonitoring},
+    {"wall_clock_breakdown", IgnoredType::kBool, kMonitoring},
+    {"dump_state", IgnoredType::kBool, kMonitoring},
+    {"memory_breakdown", IgnoredType::kBool, kMonitoring},
+    {"tensorboard", IgnoredType::kObject, kMonitoring},
+    {"wandb", IgnoredType::kObject, kMonitoring},
+    {"csv_monitor", IgnoredType::kObject, kMonitoring},
+    {"comms_logger", IgnoredType::kObject, kMonitoring},
+    {"flops_profiler", IgnoredType::kObject, kMonitoring},
+    {"timers", IgnoredType::kObject, kMonitoring},
+    {"scheduler", IgnoredType::kObject,
+     "zinf runs at the constant optimizer.params.lr (the block is kept raw in Config::scheduler)"},
+    {"zero_allow_untested_optimizer", IgnoredType::kBool, "zinf has its own Adam everywhere"},
+    {"zero_force_ds_cpu_optimizer", IgnoredType::kBool, "zinf has its own Adam everywhere"},
+    {"gradient_predivide_factor", IgnoredType::kNumber, kAveraging},
+    {"prescale_gradients", IgnoredType::kBool, kAveraging},
+    {"communication_data_type", IgnoredType::kString, kAveraging},
+    {"sparse_gradients", IgnoredType::kBool, "zinf's gradients are dense"},
+    {"dataloader_drop_last", IgnoredType::kBool, "zinf has no data loader"},
+    {"optimizer.params.torch_adam", IgnoredType::kBool,
+     "picks which PyTorch class DeepSpeed uses; the arithmetic is the same"},
+    {"fp16.auto_cast", IgnoredType::kBool, "zinf casts nothing on the caller's behalf"},
+    {"fp16.consecutive_hysteresis", IgnoredType::kBool,
+     "zinf's scaler behaves as consecutive_hysteresis false"},
+    {"bf16.immediate_grad_update", IgnoredType::kBool, "zinf accumulates gradients in fp32"},
+    {"bf16.check_grad_overflow", IgnoredType::kBool, "bf16 runs have no overflow check in zinf"},
+    {"zero_optimization.contiguous_gradients", IgnoredType::kBool,
+     "zinf's gradients are always one flat buffer per unit"},
+    {"zero_optimization.reduce_scatter", IgnoredType::kBool,
+     "zinf picks the gradient collective from the stage"},
+    {"zero_optimization.allgather_partitions", IgnoredType::kBool, "zinf always all-gathers"},
+    {"zero_optimization.allgather_bucket_size", IgnoredType::kNumber,
+     "zinf all-gathers one unit at a time"},
+    {"zero_optimization.round_robin_gradients", IgnoredType::kBool, kHooks},
+    {"zero_optimization.stage3_gather_16bit_weights_on_model_save", IgnoredType::kBool, kHooks},
+    {"zero_optimization.gather_16bit_weights_on_model_save", IgnoredType::kBool, kHooks},
+    {"zero_optimization.stage3_gather_fp16_weights_on_model_save", IgnoredType::kBool, kHooks},
+    {"zero_optimization.memory_efficient_linear", IgnoredType::kBool, kHooks},
+    {"zero_optimization.load_from_fp32_weights", IgnoredType::kBool, kHooks},
+    {"zero_optimization.elastic_checkpoint", IgnoredType::kBool, kHooks},
+    {"zero_optimization.ignore_unused_parameters", IgnoredType::kBool, kHooks},
+    {"zero_optimization.use_multi_rank_bucket_allreduce", IgnoredType::kBool, kHooks},
+    {"zero_optimization.legacy_stage1", IgnoredType::kBool, kHooks},
+    {"zero_optimization.stage3_model_persistence_threshold", IgnoredType::kNumber, kHooks},
+    {"zero_optimization.model_persistence_threshold", IgnoredType::kNumber, kHooks},
+    {"zero_optimization.stage3_module_granularity_threshold", IgnoredType::kNumber, kHooks},
+    {"zero_optimization.cpu_offload_use_pin_memory", IgnoredType::kBool,
+     "deprecated; use offload_optimizer.pin_memory"},
+    {"zero_optimization.override_module_apply", IgnoredType::kBool, kHooks},
+    {"zero_optimization.log_trace_cache_warnings", IgnoredType::kBool, kHooks},
+    {"zero_optimization.pipeline_loading_checkpoint", IgnoredType::kBool, kHooks},
+    {"zero_optimization.enable_sanity_checks", IgnoredType::kBool, kHooks},
+    {"zero_optimization.offload_param.buffer_size", IgnoredType::kNumber,
+     "zinf's staging piece is zinf.staging_bytes"},
+    {"zero_optimization.offload_optimizer.fast_init", IgnoredType::kBool,
+     "zinf always writes the initial optimizer state"},
+    {"aio.overlap_events", IgnoredType::kBool,
+     "zinf's ring threads always reap completions while submitting"},
+    {"aio.use_gds", IgnoredType::kBool,
+     "zinf has no GPUDirect Storage path: data is staged through pinned host memory"},
+};
+
+}  // namespace
+
+std::span<const IgnoredKey> accepted_but_ignored_keys() { return kIgnored; }
+
+bool config_sets(const Config& c, std::string_view path) {
+  return std::binary_search(c.given_keys.begin(), c.given_keys.end(), path);
+}
+
 DType Config::working_dtype() const {
   if (fp16.enabled) return DType::kF16;
   if (bf16) return DType::kBF16;
@@ -58,6 +143,44 @@ std::string lower(std::string_view s) {
   return out;
 }
 
+// The accepted-but-ignored keys of the object `r` reads, whose canonical path is `path` (the
+// reader's own, except for DeepSpeed's older "bfloat16" block): any value of the right JSON type,
+// or "auto", is accepted and recorded; nothing else is checked.
+Status read_ignored(ObjectReader& r, std::string_view path) {
+  for (const IgnoredKey& k : kIgnored) {
+    size_t dot = k.path.rfind('.');
+    std::string_view parent = dot == std::string_view::npos ? "" : k.path.substr(0, dot);
+    if (parent != path) continue;
+    std::string_view name = dot == std::string_view::npos ? k.path : k.path.substr(dot + 1);
+    const json* v = r.find(name);
+    if (v == nullptr) continue;
+    bool is_auto = v->is_string() && v->get_ref<const std::string&>() == "auto";
+    std::string_view what;
+    bool ok = is_auto;
+    switch (k.type) {
+      case IgnoredType::kBool:
+        what = "true or false (the key has no effect in zinf)";
+        ok = ok || v->is_boolean();
+        break;
+      case IgnoredType::kNumber:
+        what = "a number (the key has no effect in zinf)";
+        ok = ok || v->is_number();
+        break;
+      case IgnoredType::kString:
+        what = "a string (the key has no effect in zinf)";
+        ok = ok || v->is_string();
+        break;
+      case IgnoredType::kObject:
+        what = "an object (the key has no effect in zinf)";
+        ok = ok || v->is_object();
+        break;
+    }
+    if (!ok) return detail::type_error(r.key_path(name), what, *v);
+    r.record_ignored(name);
+  }
+  return Status::ok();
+}
+
 // Reads `key` or DeepSpeed's other name for it, `alias` (giving both is an error).
 template <typename T>
 Status read_aliased(ObjectReader& r, std::string_view key, std::string_view alias, T& out) {
@@ -68,6 +191,7 @@ Status read_aliased(ObjectReader& r, std::string_view key, std::string_view alia
                       "{} and {}: two names for one setting; expected only one of them",
                       r.key_path(key), r.key_path(alias));
   }
+  if (has_alias && r.given(alias)) r.mark_given(key);
   std::string_view name = has_alias ? alias : key;
   if constexpr (std::is_same_v<T, int>) {
     return r.read_int(name, out);
@@ -81,16 +205,9 @@ Status read_offload_device(ObjectReader& r, OffloadDevice& out) {
   if (v == nullptr) return Status::ok();
   constexpr std::string_view kWhat = R"(one of "none", "cpu", "nvme")";
   if (!v->is_string()) return detail::type_error(r.key_path("device"), kWhat, *v);
-  std::string name = lower(v->get_ref<const std::string&>());
-  if (name == "none") {
-    out = OffloadDevice::kNone;
-  } else if (name == "cpu") {
-    out = OffloadDevice::kCpu;
-  } else if (name == "nvme") {
-    out = OffloadDevice::kNvme;
-  } else {
-    return detail::type_error(r.key_path("device"), kWhat, *v);
-  }
+  std::optional<OffloadDevice> d = parse_offload_device(lower(v->get_ref<const std::string&>()));
+  if (!d) return detail::type_error(r.key_path("device"), kWhat, *v);
+  out = *d;
   return Status::ok();
 }
 
@@ -122,15 +239,14 @@ Status read_offload(ObjectReader& r, bool is_param, OffloadConfig& o) {
   ZINF_RETURN_IF_ERROR(r.read_int("buffer_count", o.buffer_count));
   ZINF_RETURN_IF_ERROR(r.read_bool("pin_memory", o.pin_memory));
   if (is_param) {
-    ZINF_RETURN_IF_ERROR(r.read_uint("buffer_size", o.buffer_size));
     ZINF_RETURN_IF_ERROR(r.read_uint("max_in_cpu", o.max_in_cpu));
   } else {
     ZINF_RETURN_IF_ERROR(r.read_bool("pipeline_read", o.pipeline_read));
     ZINF_RETURN_IF_ERROR(r.read_bool("pipeline_write", o.pipeline_write));
-    ZINF_RETURN_IF_ERROR(r.read_bool("fast_init", o.fast_init));
     ZINF_RETURN_IF_ERROR(r.read_double("ratio", o.ratio));
     r.ignore({"pipeline"});  // DeepSpeed derives it: pipeline_read || pipeline_write
   }
+  ZINF_RETURN_IF_ERROR(read_ignored(r, r.path()));
   r.finish();
   return Status::ok();
 }
@@ -147,7 +263,10 @@ Status read_deprecated_offload(ObjectReader& z, std::string_view old_key, std::s
   }
   log::warn("config: {} is deprecated in DeepSpeed; use {} {{\"device\": \"cpu\"}}",
             z.key_path(old_key), z.key_path(new_key));
-  if (on) o.device = OffloadDevice::kCpu;
+  if (on) {
+    o.device = OffloadDevice::kCpu;
+    z.mark_given(fmt::format("{}.device", new_key));
+  }
   return Status::ok();
 }
 
@@ -161,13 +280,9 @@ Status read_zero(ObjectReader& z, ZeroConfig& c) {
       c.stage = static_cast<int>(*s);
     }
   }
-  ZINF_RETURN_IF_ERROR(z.read_bool("contiguous_gradients", c.contiguous_gradients));
   c.overlap_comm = c.stage == 3;  // DeepSpeed's default when the key is absent
   ZINF_RETURN_IF_ERROR(z.read_bool("overlap_comm", c.overlap_comm));
-  ZINF_RETURN_IF_ERROR(z.read_bool("reduce_scatter", c.reduce_scatter));
   ZINF_RETURN_IF_ERROR(z.read_uint("reduce_bucket_size", c.reduce_bucket_size));
-  ZINF_RETURN_IF_ERROR(z.read_bool("allgather_partitions", c.allgather_partitions));
-  ZINF_RETURN_IF_ERROR(z.read_uint("allgather_bucket_size", c.allgather_bucket_size));
   ZINF_RETURN_IF_ERROR(z.read_uint("sub_group_size", c.sub_group_size));
   ZINF_RETURN_IF_ERROR(read_aliased(z, "stage3_prefetch_bucket_size", "prefetch_bucket_size",
                                     c.stage3_prefetch_bucket_size));
@@ -188,15 +303,7 @@ Status read_zero(ObjectReader& z, ZeroConfig& c) {
   ZINF_RETURN_IF_ERROR(
       read_deprecated_offload(z, "cpu_offload_param", "offload_param", c.offload_param));
 
-  // DeepSpeed keys accepted with no effect in zinf (docs/configuration.md says why for each).
-  z.ignore({"round_robin_gradients", "stage3_gather_16bit_weights_on_model_save",
-            "gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
-            "memory_efficient_linear", "load_from_fp32_weights", "elastic_checkpoint",
-            "ignore_unused_parameters", "use_multi_rank_bucket_allreduce", "legacy_stage1",
-            "stage3_model_persistence_threshold", "model_persistence_threshold",
-            "cpu_offload_use_pin_memory", "override_module_apply", "log_trace_cache_warnings",
-            "pipeline_loading_checkpoint", "enable_sanity_checks",
-            "stage3_module_granularity_threshold"});
+  ZINF_RETURN_IF_ERROR(read_ignored(z, z.path()));
   z.finish();
   return Status::ok();
 }
@@ -257,7 +364,7 @@ Status read_optimizer(ObjectReader& r, OptimizerConfig& o) {
       o.beta1 = static_cast<float>(beta1);
       o.beta2 = static_cast<float>(beta2);
     }
-    p.ignore({"torch_adam"});  // which PyTorch class DeepSpeed uses; same arithmetic
+    ZINF_RETURN_IF_ERROR(read_ignored(p, p.path()));
     p.finish();
   }
   r.finish();
@@ -271,7 +378,7 @@ Status read_fp16(ObjectReader& r, Fp16Config& f) {
   ZINF_RETURN_IF_ERROR(r.read_int("loss_scale_window", f.loss_scale_window));
   ZINF_RETURN_IF_ERROR(r.read_int("hysteresis", f.hysteresis));
   ZINF_RETURN_IF_ERROR(r.read_float("min_loss_scale", f.min_loss_scale));
-  r.ignore({"auto_cast", "consecutive_hysteresis"});
+  ZINF_RETURN_IF_ERROR(read_ignored(r, r.path()));
   r.finish();
   return Status::ok();
 }
@@ -282,15 +389,23 @@ Status read_aio(ObjectReader& r, AioConfig& a) {
   ZINF_RETURN_IF_ERROR(
       read_aliased(r, "intra_op_parallelism", "thread_count", a.intra_op_parallelism));
   ZINF_RETURN_IF_ERROR(r.read_bool("single_submit", a.single_submit));
-  ZINF_RETURN_IF_ERROR(r.read_bool("overlap_events", a.overlap_events));
-  ZINF_RETURN_IF_ERROR(r.read_bool("use_gds", a.use_gds));
+  ZINF_RETURN_IF_ERROR(read_ignored(r, r.path()));
   r.finish();
   return Status::ok();
 }
 
 Status read_zinf(ObjectReader& r, ZinfConfig& z) {
-  ZINF_RETURN_IF_ERROR(r.read_bytes("device_mem", z.device_mem));
-  ZINF_RETURN_IF_ERROR(r.read_bytes("host_mem", z.host_mem));
+  // Budgets: 0 in the struct means auto; written in the file it is refused, so that nobody asks
+  // for "unlimited" and gets a budget that fits the machine instead (or the other way round).
+  for (auto [key, field] : {std::pair{"device_mem", &z.device_mem}, {"host_mem", &z.host_mem}}) {
+    ZINF_RETURN_IF_ERROR(r.read_bytes(key, *field));
+    if (r.given(key) && *field == 0) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "{}: expected a positive byte count, got 0; leave the key out for a "
+                        "budget that fits the machine (docs/engine.md)",
+                        r.key_path(key));
+    }
+  }
   ZINF_RETURN_IF_ERROR(r.read_string("trace", z.trace));
   ZINF_RETURN_IF_ERROR(r.read_uint("seed", z.seed));
   ZINF_RETURN_IF_ERROR(r.read_bool("checksum", z.checksum));
@@ -356,7 +471,8 @@ Status read_top(ObjectReader& top, Config& c) {
   for (std::string_view name : {"bf16", "bfloat16"}) {
     ZINF_RETURN_IF_ERROR(read_block(top, name, [&](ObjectReader& r) {
       ZINF_RETURN_IF_ERROR(r.read_bool("enabled", c.bf16));
-      r.ignore({"immediate_grad_update", "check_grad_overflow"});
+      if (name == "bfloat16" && r.given("enabled")) top.mark_given("bf16.enabled");
+      ZINF_RETURN_IF_ERROR(read_ignored(r, "bf16"));
       r.finish();
       return Status::ok();
     }));
@@ -368,13 +484,7 @@ Status read_top(ObjectReader& top, Config& c) {
   ZINF_RETURN_IF_ERROR(
       read_block(top, "zinf", [&](ObjectReader& r) { return read_zinf(r, c.zinf); }));
 
-  // DeepSpeed keys accepted with no effect in zinf: logging, monitoring, and the gradient
-  // averaging options zinf does in its own fixed way (docs/configuration.md).
-  top.ignore({"steps_per_print", "wall_clock_breakdown", "dump_state", "memory_breakdown",
-              "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer",
-              "gradient_predivide_factor", "prescale_gradients", "communication_data_type",
-              "sparse_gradients", "tensorboard", "wandb", "csv_monitor", "comms_logger",
-              "flops_profiler", "timers", "dataloader_drop_last"});
+  ZINF_RETURN_IF_ERROR(read_ignored(top, ""));
   top.finish();
   return Status::ok();
 }
@@ -509,13 +619,22 @@ Result<Config> parse_config(const json& j) {
   ObjectReader top(j, "", state);
   ZINF_RETURN_IF_ERROR(read_top(top, c));
   std::sort(state.unknown_keys.begin(), state.unknown_keys.end());
+  std::sort(state.ignored_keys.begin(), state.ignored_keys.end());
   if (!state.unknown_keys.empty()) {
     log::warn("config: ignoring {} key(s) zinf does not know: {}", state.unknown_keys.size(),
               fmt::join(state.unknown_keys, ", "));
   }
+  if (!state.ignored_keys.empty()) {
+    log::warn(
+        "config: {} DeepSpeed key(s) accepted but not acted on by zinf (docs/configuration.md "
+        "says why): {}",
+        state.ignored_keys.size(), fmt::join(state.ignored_keys, ", "));
+  }
   ZINF_RETURN_IF_ERROR(detail::check_config(c));
   c.unknown_keys = std::move(state.unknown_keys);
   c.auto_keys = std::move(state.auto_keys);
+  c.ignored_keys = std::move(state.ignored_keys);
+  c.given_keys.assign(state.given_keys.begin(), state.given_keys.end());
   return c;
 }
 

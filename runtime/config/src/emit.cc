@@ -35,12 +35,10 @@ json offload_json(const OffloadConfig& o, bool is_param) {
             {"pin_memory", o.pin_memory}};
   if (!o.nvme_path.empty()) j["nvme_path"] = nvme_path_json(o.nvme_path);
   if (is_param) {
-    j["buffer_size"] = o.buffer_size;
     j["max_in_cpu"] = o.max_in_cpu;
   } else {
     j["pipeline_read"] = o.pipeline_read;
     j["pipeline_write"] = o.pipeline_write;
-    j["fast_init"] = o.fast_init;
     j["ratio"] = o.ratio;
   }
   return j;
@@ -92,12 +90,8 @@ json to_json(const Config& c) {
   const ZeroConfig& z = c.zero;
   j["zero_optimization"] = {
       {"stage", z.stage},
-      {"contiguous_gradients", z.contiguous_gradients},
       {"overlap_comm", z.overlap_comm},
-      {"reduce_scatter", z.reduce_scatter},
       {"reduce_bucket_size", z.reduce_bucket_size},
-      {"allgather_partitions", z.allgather_partitions},
-      {"allgather_bucket_size", z.allgather_bucket_size},
       {"sub_group_size", z.sub_group_size},
       {"stage3_prefetch_bucket_size", z.stage3_prefetch_bucket_size},
       {"stage3_param_persistence_threshold", z.stage3_param_persistence_threshold},
@@ -110,20 +104,19 @@ json to_json(const Config& c) {
   j["aio"] = {{"block_size", a.block_size},
               {"queue_depth", a.queue_depth},
               {"intra_op_parallelism", a.intra_op_parallelism},
-              {"single_submit", a.single_submit},
-              {"overlap_events", a.overlap_events},
-              {"use_gds", a.use_gds}};
+              {"single_submit", a.single_submit}};
 
   if (!c.scheduler.is_null()) j["scheduler"] = c.scheduler;
 
   const ZinfConfig& zc = c.zinf;
-  j["zinf"] = {{"device_mem", zc.device_mem},
-               {"host_mem", zc.host_mem},
-               {"trace", zc.trace},
+  j["zinf"] = {{"trace", zc.trace},
                {"seed", zc.seed},
                {"checksum", zc.checksum},
                {"staging_bytes", zc.staging_bytes},
                {"overlap_optimizer", zc.overlap_optimizer}};
+  // 0 is "auto" (fit the machine), which the file says by leaving the key out.
+  if (zc.device_mem != 0) j["zinf"]["device_mem"] = zc.device_mem;
+  if (zc.host_mem != 0) j["zinf"]["host_mem"] = zc.host_mem;
   return j;
 }
 

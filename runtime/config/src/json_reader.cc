@@ -86,7 +86,16 @@ const json* ObjectReader::find(std::string_view key) {
   known_.emplace(key);
   auto it = object_->find(std::string(key));
   if (it == object_->end() || it->is_null()) return nullptr;
+  if (!(it->is_string() && it->get_ref<const std::string&>() == "auto")) {
+    state_->given_keys.insert(key_path(key));
+  }
   return &*it;
+}
+
+void ObjectReader::mark_given(std::string_view key) { state_->given_keys.insert(key_path(key)); }
+
+void ObjectReader::record_ignored(std::string_view key) {
+  state_->ignored_keys.push_back(key_path(key));
 }
 
 bool ObjectReader::given(std::string_view key) {

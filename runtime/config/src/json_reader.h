@@ -23,6 +23,8 @@ namespace zinf::config::detail {
 struct ParseState {
   std::vector<std::string> unknown_keys;
   std::vector<std::string> auto_keys;
+  std::vector<std::string> ignored_keys;  // accepted-but-ignored keys the document sets
+  std::set<std::string> given_keys;       // every key with a value (not null, not "auto")
 };
 
 // "parent.key", or "key" at the top level.
@@ -42,12 +44,19 @@ class ObjectReader {
   const std::string& path() const { return path_; }
   std::string key_path(std::string_view key) const { return join_path(path_, key); }
 
-  // The value of `key`, or nullptr when absent or null. Marks the key as known.
+  // The value of `key`, or nullptr when absent or null. Marks the key as known, and as given
+  // (ParseState::given_keys) when its value is not "auto".
   const nlohmann::json* find(std::string_view key);
+  // Records `key` of this object as given although the document spelled it otherwise (an alias,
+  // a deprecated switch): given_keys then holds the canonical path too.
+  void mark_given(std::string_view key);
   // Whether `key` is present with a value other than null and "auto". Marks the key as known.
   bool given(std::string_view key);
-  // Marks keys as known without reading them: DeepSpeed keys that have no effect in zinf.
+  // Marks keys as known without reading them or checking them (DeepSpeed derives them).
   void ignore(std::initializer_list<std::string_view> keys);
+  // Records `key` of this object in ParseState::ignored_keys: an accepted-but-ignored key the
+  // document sets (its caller checked the type).
+  void record_ignored(std::string_view key);
 
   Status read_bool(std::string_view key, bool& out, Auto a = Auto::kAllowed);
   // Integers: JSON integers, or numbers written as whole floats (5e8), as DeepSpeed accepts.

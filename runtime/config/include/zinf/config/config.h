@@ -1,10 +1,13 @@
 // The training configuration: DeepSpeed's JSON format, so a DeepSpeed user brings their config
 // file unchanged, plus an optional "zinf" block for what DeepSpeed has no key for.
 //
-// Every field below carries DeepSpeed's default (checked against deepspeed/runtime/zero/config.py,
-// offload_config.py, swap_tensor/aio_config.py and fp16/bf16 constants) unless it says otherwise.
-// docs/configuration.md is the user-facing reference: which keys zinf acts on today and which it
-// accepts with no effect yet.
+// Every default below is taken from the table of tunables (zinf/core/tunables.h), which states
+// where each comes from (DeepSpeed's documented default wherever DeepSpeed has the key); no
+// default is written here. docs/configuration.md is the user-facing reference.
+//
+// DeepSpeed keys that zinf accepts but does not act on (accepted_but_ignored_keys()) have no
+// field: their type is checked, nothing else, and parsing logs ONE warning naming those the
+// config sets (Config::ignored_keys).
 //
 // Units: DeepSpeed's ZeRO "sizes" (bucket sizes, thresholds, offload buffer sizes) are numbers of
 // parameter ELEMENTS, not bytes; only aio.block_size and the zinf block are in bytes.
@@ -20,12 +23,15 @@
 
 #include <cstdint>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "zinf/core/dtype.h"
 #include "zinf/core/status.h"
+#include "zinf/core/tunables.h"
 
 namespace zinf::config {
 
@@ -33,29 +39,37 @@ namespace zinf::config {
 enum class OffloadDevice { kNone, kCpu, kNvme };
 
 std::string_view offload_device_name(OffloadDevice d);
+// Exact (lower-case) names; the reader lower-cases what the file says first.
+constexpr std::optional<OffloadDevice> parse_offload_device(std::string_view name) {
+  if (name == "none") return OffloadDevice::kNone;
+  if (name == "cpu") return OffloadDevice::kCpu;
+  if (name == "nvme") return OffloadDevice::kNvme;
+  return std::nullopt;
+}
 
 // One of zero_optimization.offload_param / zero_optimization.offload_optimizer. The two DeepSpeed
 // blocks share this struct; each block accepts only the keys DeepSpeed defines for it (marked
 // below), and the fields that do not apply to a block stay at their defaults.
 struct OffloadConfig {
-  OffloadDevice device = OffloadDevice::kNone;  // both blocks; DeepSpeed "none"
+  // both blocks; "none"
+  OffloadDevice device = *parse_offload_device(tunables::kOptimizerHome.value);
   // both blocks. DeepSpeed takes one directory; zinf also takes a list of directories and
   // stripes the swap files across them. Required (non-empty) when device is kNvme.
   std::vector<std::string> nvme_path;
-  // both blocks: buffers in the NVMe staging pool. DeepSpeed: 5 for offload_param, 4 for
-  // offload_optimizer (at least the number of states per parameter: Adam has 4).
-  int64_t buffer_count = 5;
-  uint64_t buffer_size = 100'000'000;   // offload_param only: elements per buffer (DeepSpeed 1e8)
-  uint64_t max_in_cpu = 1'000'000'000;  // offload_param only: elements kept in host memory
-                                        // when offloading to NVMe (DeepSpeed 1e9)
-  bool pin_memory = false;              // both blocks: page-locked host memory
-  bool pipeline_read = false;   // offload_optimizer only: read sub-group i+1 during update of i
-  bool pipeline_write = false;  // offload_optimizer only: write i-1 back during update of i
+  // both blocks: buffers in the NVMe staging pool (EngineSettings::staging_buffers). DeepSpeed:
+  // 5 for offload_param (ZeroConfig sets it), 4 for offload_optimizer.
+  int64_t buffer_count = tunables::kStagingBuffers.value;
+  // offload_param only: elements of NVMe-offloaded state cached in host memory.
+  uint64_t max_in_cpu = tunables::kParamMaxInCpu.value;
+  bool pin_memory = tunables::kPinMemory.value;  // both blocks: page-locked host memory
+  // offload_optimizer only: read sub-group i+1 during the update of i.
+  bool pipeline_read = tunables::kPipelineRead.value;
+  // offload_optimizer only: write i-1 back during the update of i.
+  bool pipeline_write = tunables::kPipelineWrite.value;
   // offload_optimizer only: fraction of the optimizer state offloaded (and updated by the CPU);
   // the rest stays on the device (DeepSpeed's partial offload, "Twin-Flow"). (0, 1]; below 1
   // only with stage 3, as DeepSpeed.
-  double ratio = 1.0;
-  bool fast_init = false;  // offload_optimizer only: skip writing initial state to NVMe
+  double ratio = tunables::kOptimizerOffloadRatio.value;
 
   bool enabled() const { return device != OffloadDevice::kNone; }
   bool operator==(const OffloadConfig&) const = default;
@@ -64,39 +78,37 @@ struct OffloadConfig {
 // The top-level "aio" block: DeepSpeed's asynchronous I/O settings, mapped onto zinf's io_uring
 // IoEngine (see docs/configuration.md for the mapping).
 struct AioConfig {
-  uint64_t block_size = 1048576;  // bytes per I/O request; a multiple of 4096
-  int queue_depth = 8;            // requests in flight per ring
+  uint64_t block_size = tunables::kIoBlockSize.value;  // bytes per I/O request; a multiple of 4096
+  int queue_depth = static_cast<int>(tunables::kIoQueueDepth.value);  // requests in flight/ring
   // Threads (io_uring rings) that split one large transfer. DeepSpeed before 0.15 called this key
   // "thread_count"; both names are accepted.
-  int intra_op_parallelism = 1;
-  bool single_submit = false;  // submit requests one at a time instead of in batches
-  bool overlap_events = true;  // reap completions while submitting
-  bool use_gds = false;        // GPUDirect Storage: accepted; zinf always stages through host
+  int intra_op_parallelism = static_cast<int>(tunables::kIoRings.value);
+  // Submit requests one at a time instead of in batches.
+  bool single_submit = tunables::kIoSingleSubmit.value;
 
   bool operator==(const AioConfig&) const = default;
 };
 
 // The "zero_optimization" block. Sizes are in parameter elements.
 struct ZeroConfig {
-  int stage = 0;                     // 0 (plain data parallel) .. 3
-  bool contiguous_gradients = true;  // gradients copied into one contiguous buffer
+  int stage = tunables::kStage.value;  // 0 (plain data parallel) .. 3
   // Reductions overlap the backward pass. DeepSpeed's default depends on the stage: true for
   // stage 3, false otherwise; parse_config applies that rule when the key is absent.
-  bool overlap_comm = false;
-  bool reduce_scatter = true;                    // reduce-scatter (not all-reduce) of gradients
-  uint64_t reduce_bucket_size = 500'000'000;     // elements reduced at once (DeepSpeed 5e8)
-  bool allgather_partitions = true;              // all-gather (not broadcasts) after the step
-  uint64_t allgather_bucket_size = 500'000'000;  // elements all-gathered at once (5e8)
-  // Optimizer sub-group ("tile") size for offloaded updates, in elements (DeepSpeed 1e9).
-  // 0 = one sub-group per parameter unit.
-  uint64_t sub_group_size = 1'000'000'000;
+  bool overlap_comm = tunables::kOverlapComm.value;
+  uint64_t reduce_bucket_size = tunables::kReduceBucket.value;  // elements reduced at once
+  // Optimizer sub-group ("tile") size for offloaded updates, in elements; 0 = one sub-group per
+  // parameter unit.
+  uint64_t sub_group_size = tunables::kSubGroup.value;
   // Stage 3 (each key also accepted without the "stage3_" prefix, as DeepSpeed does):
-  uint64_t stage3_prefetch_bucket_size = 50'000'000;      // elements fetched ahead (5e7); 0 = none
-  uint64_t stage3_param_persistence_threshold = 100'000;  // smaller params stay whole (1e5)
-  uint64_t stage3_max_live_parameters = 1'000'000'000;    // live gathered elements (1e9)
-  uint64_t stage3_max_reuse_distance = 1'000'000'000;     // keep if reused within this (1e9)
-  OffloadConfig offload_param{.buffer_count = 5};         // stage 3 only
-  OffloadConfig offload_optimizer{.buffer_count = 4};     // stage 1..3
+  // elements fetched ahead; 0 = none
+  uint64_t stage3_prefetch_bucket_size = tunables::kPrefetchBucket.value;
+  // units with at most this many parameters stay gathered
+  uint64_t stage3_param_persistence_threshold = tunables::kParamPersistenceThreshold.value;
+  uint64_t stage3_max_live_parameters = tunables::kMaxLive.value;          // live gathered elements
+  uint64_t stage3_max_reuse_distance = tunables::kMaxReuseDistance.value;  // kept if reused within
+  OffloadConfig offload_param{.device = *parse_offload_device(tunables::kParamHome.value),
+                              .buffer_count = tunables::kParamBufferCount.value};  // stage 3 only
+  OffloadConfig offload_optimizer;                                                 // stage 1..3
 
   bool operator==(const ZeroConfig&) const = default;
 };
@@ -114,14 +126,15 @@ struct OptimizerConfig {
   enum class Type { kAdam, kAdamW };
   // When the config has no "optimizer" block (DeepSpeed then uses the client's optimizer), zinf
   // uses Adam with DeepSpeed FusedAdam's defaults.
-  Type type = Type::kAdam;
-  float lr = 1e-3f;           // >= 0
-  float beta1 = 0.9f;         // params.betas[0], in [0, 1)
-  float beta2 = 0.999f;       // params.betas[1], in [0, 1)
-  float eps = 1e-8f;          // > 0; added to the bias-corrected sqrt(v)
-  float weight_decay = 0.0f;  // >= 0
-  bool adam_w_mode = true;    // effective: true = decoupled decay, false = L2 (see above)
-  bool bias_correction = true;
+  Type type = tunables::kOptimizerType.value == "AdamW" ? Type::kAdamW : Type::kAdam;
+  float lr = tunables::kLr.value;                     // >= 0
+  float beta1 = tunables::kBeta1.value;               // params.betas[0], in [0, 1)
+  float beta2 = tunables::kBeta2.value;               // params.betas[1], in [0, 1)
+  float eps = tunables::kEps.value;                   // > 0; added to the bias-corrected sqrt(v)
+  float weight_decay = tunables::kWeightDecay.value;  // >= 0
+  // effective: true = decoupled decay, false = L2 (see above)
+  bool adam_w_mode = tunables::kAdamWMode.value;
+  bool bias_correction = tunables::kBiasCorrection.value;
 
   bool operator==(const OptimizerConfig&) const = default;
 };
@@ -130,12 +143,14 @@ std::string_view optimizer_type_name(OptimizerConfig::Type t);
 
 // The "fp16" block: fp16 working precision with (by default dynamic) loss scaling.
 struct Fp16Config {
-  bool enabled = false;
-  float loss_scale = 0;          // 0 = dynamic scaling; > 0 = this fixed scale
-  int initial_scale_power = 16;  // dynamic: the first scale is 2^initial_scale_power
-  int loss_scale_window = 1000;  // dynamic: steps without overflow before the scale doubles
-  int hysteresis = 2;            // dynamic: overflows tolerated before the scale is halved
-  float min_loss_scale = 1;      // dynamic: the scale never drops below this
+  bool enabled = tunables::kDtype.value == DType::kF16;
+  float loss_scale = tunables::kStaticLossScale.value;  // 0 = dynamic scaling; > 0 = fixed
+  // dynamic: the first scale is 2^initial_scale_power
+  int initial_scale_power = tunables::kInitialScalePower.value;
+  // dynamic: steps without overflow before the scale doubles
+  int loss_scale_window = tunables::kLossScaleWindow.value;
+  int hysteresis = tunables::kHysteresis.value;  // dynamic: overflows before the scale halves
+  float min_loss_scale = tunables::kMinLossScale.value;  // dynamic: the scale's floor
 
   bool operator==(const Fp16Config&) const = default;
 };
@@ -143,15 +158,18 @@ struct Fp16Config {
 // The "zinf" block: zinf's own settings, which DeepSpeed has no key for. Byte values accept
 // integers or strings such as "4G" or "512MiB" (binary multiples).
 struct ZinfConfig {
-  uint64_t device_mem = 0;              // device byte budget; 0 = unlimited (the device's size)
-  uint64_t host_mem = 0;                // pinned host byte budget; 0 = unlimited
-  std::string trace;                    // Chrome/Perfetto trace file to write; "" = no trace
-  uint64_t seed = 0;                    // parameter initialisation seed
-  bool checksum = false;                // XXH3 per swapped extent, verified on every read
-  uint64_t staging_bytes = 4ull << 20;  // NVMe <-> device staging piece; a multiple of 1 MiB
+  // Byte budgets per rank; 0 = auto (fit the machine, docs/engine.md). In JSON, leave the key out
+  // for auto: an explicit 0 is an error.
+  uint64_t device_mem = tunables::kDeviceMem.value;
+  uint64_t host_mem = tunables::kHostMem.value;
+  // Chrome/Perfetto trace file to write; "" = no trace
+  std::string trace = std::string(tunables::kTrace.value);
+  uint64_t seed = tunables::kSeed.value;      // parameter initialisation seed
+  bool checksum = tunables::kChecksum.value;  // XXH3 per swapped extent, verified on read
+  uint64_t staging_bytes = tunables::kStagingBytes.value;  // NVMe <-> device piece; k * 1 MiB
   // Start each unit's optimizer update during the backward pass once its gradients are final
   // (EngineSettings::overlap_optimizer).
-  bool overlap_optimizer = false;
+  bool overlap_optimizer = tunables::kOverlapOptimizer.value;
 
   bool operator==(const ZinfConfig&) const = default;
 };
@@ -164,20 +182,31 @@ struct Config {
   // the world size is known. (DeepSpeed requires train_batch_size or the micro batch; zinf
   // defaults the micro batch to 1.)
   int64_t train_batch_size = 0;
-  int64_t train_micro_batch_size_per_gpu = 1;
-  int64_t gradient_accumulation_steps = 1;
-  float gradient_clipping = 0;  // global gradient-norm bound; 0 = no clipping
+  int64_t train_micro_batch_size_per_gpu = tunables::kMicroBatch.value;
+  int64_t gradient_accumulation_steps = tunables::kGradientAccumulationSteps.value;
+  // global gradient-norm bound; 0 = no clipping
+  float gradient_clipping = tunables::kGradientClipping.value;
   OptimizerConfig optimizer;
   Fp16Config fp16;
-  bool bf16 = false;  // "bf16": {"enabled": ...} (also accepted as DeepSpeed's older "bfloat16")
+  // "bf16": {"enabled": ...} (also accepted as DeepSpeed's older "bfloat16")
+  bool bf16 = tunables::kDtype.value == DType::kBF16;
   ZeroConfig zero;
   AioConfig aio;
   ZinfConfig zinf;
-  nlohmann::json scheduler;  // the raw "scheduler" block (null when absent); not interpreted
+  // The raw "scheduler" block (null when absent); not interpreted: zinf runs at the constant
+  // optimizer.params.lr, and a config that has the block is warned about (ignored_keys).
+  nlohmann::json scheduler;
 
   // Filled by parse_config, not part of the effective configuration (to_json leaves them out):
   std::vector<std::string> unknown_keys;  // JSON paths of keys zinf does not know, sorted
   std::vector<std::string> auto_keys;     // JSON paths given as "auto", left at their default
+  // JSON paths of the accepted-but-ignored keys the config sets (accepted_but_ignored_keys()),
+  // sorted; named in one warning.
+  std::vector<std::string> ignored_keys;
+  // JSON paths of every key the config gives a value (not null, not "auto"), sorted; a key given
+  // under another name (an alias, a deprecated switch) is listed under its canonical path too.
+  // `zinf train` uses it to tell what the config set from what it left at the default.
+  std::vector<std::string> given_keys;
 
   // fp16 when fp16.enabled, bf16 when bf16, else fp32.
   DType working_dtype() const;
@@ -185,9 +214,22 @@ struct Config {
   bool operator==(const Config&) const = default;
 };
 
+// A DeepSpeed key that zinf accepts and does not act on: only its JSON type is checked.
+struct IgnoredKey {
+  enum class Type { kBool, kNumber, kString, kObject };
+  std::string_view path;  // "zero_optimization.contiguous_gradients"
+  Type type;
+  std::string_view why;  // what zinf does instead (docs/configuration.md shows it)
+};
+std::span<const IgnoredKey> accepted_but_ignored_keys();
+
+// Whether `c` sets the JSON key `path` (Config::given_keys).
+bool config_sets(const Config& c, std::string_view path);
+
 // Reads a parsed JSON document. Checks every key's type and range and the combinations that do
 // not need the world size (fp16 with bf16, parameter offload below stage 3, ...). Logs one
-// warning naming the unknown keys, if any.
+// warning naming the unknown keys, if any, and one naming the accepted-but-ignored keys set.
+// "zinf.device_mem": 0 and "zinf.host_mem": 0 are errors (leave the key out for auto budgets).
 Result<Config> parse_config(const nlohmann::json& j);
 // Parses JSON text first; a syntax error names the line and column.
 Result<Config> parse_config_text(std::string_view text);
@@ -203,7 +245,8 @@ Status validate(const Config& c, int world_size);
 Status resolve_batch_sizes(Config& c, int world_size);
 
 // The effective configuration in DeepSpeed's format: parse_config(to_json(c)) == c, except for
-// unknown_keys and auto_keys. Keys left at 0 ("derive") are left out.
+// the parse notes (unknown_keys, auto_keys, ignored_keys, given_keys). Batch sizes left at 0
+// ("derive") and budgets left at 0 ("auto") are left out.
 nlohmann::json to_json(const Config& c);
 
 // Logs every tunable once, one line per block (STYLE.md 11), and which keys were "auto".
