@@ -42,6 +42,7 @@
 #include "zinf/comm/communicator.h"
 #include "zinf/core/dtype.h"
 #include "zinf/core/status.h"
+#include "zinf/core/tunables.h"
 #include "zinf/kernels/adam_math.h"
 #include "zinf/memory/accounting.h"
 #include "zinf/memory/device.h"
@@ -51,28 +52,58 @@
 namespace zinf {
 
 struct EngineSettings {
-  int stage = 0;              // ZeRO stage 0..3
-  DType dtype = DType::kF32;  // working parameters and gradients
-  int gradient_accumulation_steps = 1;
-  float gradient_clipping = 0;  // global-norm clipping; 0 = off
-  kernels::AdamConfig adam;     // AdamW by default (decoupled weight decay)
+  // Every default below names its entry in the table of tunables (zinf/core/tunables.h), which
+  // says where it comes from (DeepSpeed's default wherever DeepSpeed has the key); no default is
+  // written here. tests/settings checks that EngineSettings{}, the config reader and `zinf train`
+  // agree; a new field needs a table entry and a line in settings_json() (zinf/engine/settings.h).
+
+  // The tier a table offload device ("none", "cpu", "nvme") stands for: "none" is the device.
+  static constexpr Tier home_tier(std::string_view offload_device) {
+    return offload_device == "nvme"  ? Tier::kNvme
+           : offload_device == "cpu" ? Tier::kHost
+                                     : Tier::kDevice;
+  }
+
+  int stage = tunables::kStage.value;    // ZeRO stage 0..3
+  DType dtype = tunables::kDtype.value;  // working parameters and gradients
+  int gradient_accumulation_steps = tunables::kGradientAccumulationSteps.value;
+  float gradient_clipping = tunables::kGradientClipping.value;  // global-norm clipping; 0 = off
+  // AdamW by default (decoupled weight decay)
+  kernels::AdamConfig adam{.lr = tunables::kLr.value,
+                           .beta1 = tunables::kBeta1.value,
+                           .beta2 = tunables::kBeta2.value,
+                           .eps = tunables::kEps.value,
+                           .weight_decay = tunables::kWeightDecay.value,
+                           .weight_decay_mode = tunables::kAdamWMode.value
+                                                    ? kernels::WeightDecayMode::kDecoupled
+                                                    : kernels::WeightDecayMode::kL2,
+                           .bias_correction = tunables::kBiasCorrection.value};
   // fp16 dynamic loss scaling (as DeepSpeed): skip the step and lower the scale on overflow.
-  float static_loss_scale = 0;  // > 0: a fixed scale; 0: dynamic
-  int initial_scale_power = 16;
-  int loss_scale_window = 1000;
-  int hysteresis = 2;
-  float min_loss_scale = 1;
-  uint64_t reduce_bucket_elements = 500'000'000;  // reduce_bucket_size
-  bool overlap_comm = false;                      // leave reductions in flight across scopes
+  float static_loss_scale = tunables::kStaticLossScale.value;  // > 0: a fixed scale; 0: dynamic
+  int initial_scale_power = tunables::kInitialScalePower.value;
+  int loss_scale_window = tunables::kLossScaleWindow.value;
+  int hysteresis = tunables::kHysteresis.value;
+  float min_loss_scale = tunables::kMinLossScale.value;
+  uint64_t reduce_bucket_elements = tunables::kReduceBucket.value;  // reduce_bucket_size
+  // Leave reductions in flight across scopes. The config reader turns it on for stage 3 when the
+  // key is absent (DeepSpeed's rule); here it is the default stage's value.
+  bool overlap_comm = tunables::kOverlapComm.value;
   // Placement: where parameters and optimizer state live (the offload work sets these).
-  Tier param_home = Tier::kDevice;
-  Tier optimizer_home = Tier::kDevice;
-  double optimizer_offload_ratio = 1.0;  // share of parameters whose optimizer state is offloaded
-  std::vector<std::string> nvme_paths;
-  uint64_t device_mem = 0;              // device budget in bytes; 0 = unlimited
-  uint64_t host_mem = 0;                // pinned-host budget in bytes; 0 = unlimited
-  uint64_t staging_bytes = 2ull << 20;  // NVMe <-> device staging piece (multiple of 1 MiB)
-  uint32_t staging_buffers = 4;         // staging pieces in flight per move
+  Tier param_home = home_tier(tunables::kParamHome.value);
+  Tier optimizer_home = home_tier(tunables::kOptimizerHome.value);
+  // Share of parameters whose optimizer state is offloaded.
+  double optimizer_offload_ratio = tunables::kOptimizerOffloadRatio.value;
+  std::vector<std::string> nvme_paths;  // none by default (tunables::kNvmePaths)
+  // Byte budgets per rank: device, and host (pinned when pin_memory). 0 = auto (fit the
+  // machine, docs/engine.md).
+  uint64_t device_mem = tunables::kDeviceMem.value;
+  uint64_t host_mem = tunables::kHostMem.value;
+  // offload_param.max_in_cpu: parameter elements of NVMe-homed state cached in host memory when
+  // the host budget is chosen automatically (host_mem 0).
+  uint64_t param_max_in_cpu = tunables::kParamMaxInCpu.value;
+  // NVMe <-> device staging piece (multiple of 1 MiB)
+  uint64_t staging_bytes = tunables::kStagingBytes.value;
+  uint32_t staging_buffers = tunables::kStagingBuffers.value;  // staging pieces in flight per move
   // The scheduler (stage 3; sizes in parameter elements, as DeepSpeed's keys). From the second
   // step on, units are all-gathered ahead of use along the recorded order while the elements
   // ahead stay below prefetch_bucket_elements (stage3_prefetch_bucket_size; 0 = none), and their
@@ -80,39 +111,39 @@ struct EngineSettings {
   // fetched ahead or kept) stay within max_live_elements (stage3_max_live_parameters), and within
   // half the device budget when one is set. A unit whose next use in the step comes within
   // max_reuse_distance elements stays gathered (stage3_max_reuse_distance; 0 = never).
-  uint64_t prefetch_bucket_elements = 50'000'000;
-  uint64_t max_live_elements = 1'000'000'000;
-  uint64_t max_reuse_distance = 1'000'000'000;
+  uint64_t prefetch_bucket_elements = tunables::kPrefetchBucket.value;
+  uint64_t max_live_elements = tunables::kMaxLive.value;
+  uint64_t max_reuse_distance = tunables::kMaxReuseDistance.value;
   // Stage 3: units of at most this many parameters stay gathered on the device and are
   // all-gathered once per step instead of at every use (stage3_param_persistence_threshold).
-  uint64_t param_persistence_threshold = 0;
+  uint64_t param_persistence_threshold = tunables::kParamPersistenceThreshold.value;
   // Optimizer sub-groups (sub_group_size, elements): each rank's optimizer state is cut into
   // pieces of at most this many elements, packed into groups the optimizer walks as a pipeline
   // (read group i+1, update group i, write back group i-1). With the optimizer offloaded and a
   // host budget, groups are also capped at a third of what the budget holds. 0 = one per unit.
-  uint64_t sub_group_elements = 1'000'000'000;
+  uint64_t sub_group_elements = tunables::kSubGroup.value;
   // Start a unit's optimizer update as soon as its gradients are final in a step (its last use in
   // the recorded order has been reduced), overlapping the rest of the backward pass. Only when
   // nothing needs every gradient first: no clipping, no fp16 overflow check. Requires every step
   // to use the units in the recorded order: gathering a unit again after its update started is
   // an error.
-  bool overlap_optimizer = false;
-  bool checksum = false;             // XXH3 per swapped 1 MiB block, verified on read
-  uint32_t io_queue_depth = 32;      // aio.queue_depth
-  uint64_t io_block_size = 1 << 20;  // aio.block_size
-  uint32_t io_rings = 1;             // aio.intra_op_parallelism
-  bool io_single_submit = false;     // aio.single_submit
-  bool pin_memory = true;            // host tier page-locked (offload_*.pin_memory)
+  bool overlap_optimizer = tunables::kOverlapOptimizer.value;
+  bool checksum = tunables::kChecksum.value;  // XXH3 per swapped 1 MiB block, verified on read
+  uint32_t io_queue_depth = tunables::kIoQueueDepth.value;  // aio.queue_depth
+  uint64_t io_block_size = tunables::kIoBlockSize.value;    // aio.block_size
+  uint32_t io_rings = tunables::kIoRings.value;             // aio.intra_op_parallelism
+  bool io_single_submit = tunables::kIoSingleSubmit.value;  // aio.single_submit
+  bool pin_memory = tunables::kPinMemory.value;  // host tier page-locked (offload_*.pin_memory)
   // The optimizer pipeline (offload_optimizer.pipeline_read / pipeline_write): read the next
   // sub-group's state while one is updated (and the first groups' during the backward pass),
   // and write an updated group back while the next is updated. Off: each waits its turn.
-  bool pipeline_read = true;
-  bool pipeline_write = true;
-  int optimizer_threads = 0;  // CPU Adam threads; 0 = all
+  bool pipeline_read = tunables::kPipelineRead.value;
+  bool pipeline_write = tunables::kPipelineWrite.value;
+  int optimizer_threads = tunables::kOptimizerThreads.value;  // CPU Adam threads; 0 = all
   // The device of the top tier: the CPU device, or its strict variant (tests); kAuto reads
   // $ZINF_DEVICE (cpu, cpu-strict) and defaults to cpu.
-  DeviceKind device = DeviceKind::kAuto;
-  uint64_t seed = 0;
+  DeviceKind device = parse_device_kind(tunables::kDevice.value).value();
+  uint64_t seed = tunables::kSeed.value;
 };
 
 // Initial value of element `element` (index in the unit's flat buffer) of unit `unit`.
