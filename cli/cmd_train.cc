@@ -10,52 +10,81 @@
 #include <nlohmann/json.hpp>
 
 #include "command.h"
+#include "train_settings.h"
 #include "zinf/core/trace.h"
+#include "zinf/core/tunables.h"
 #include "zinf/core/units.h"
-#include "zinf/engine/settings.h"
 #include "zinf/gpt/trainer.h"
 
 namespace zinf::cli {
 namespace {
 
+namespace t = tunables;
+
+// The command line as parsed. Flags that set a tunable have no default here: what a flag left
+// out means comes from the table (zinf/core/tunables.h) through build_train_settings().
 struct Args {
   std::string model = "small";
   int layers = 0, dim = 0, heads = 0, seq = 0;
-  int batch = 8;
   int steps = 200;
-  double lr = 3e-3;
-  uint64_t seed = 1;
   std::string data;
   int ranks = 1;
-  int stage = 3;
-  std::string offload_param = "none";
-  std::string offload_optimizer = "none";
-  std::vector<std::string> nvme_paths;
-  std::string dtype = "fp32";
-  std::string device_mem, host_mem;
-  int grad_accum = 1;
-  double clip = 1.0;
   std::string config;
-  std::string trace, log_json, export_path;
+  std::string log_json, export_path;
   int sample = 0;
   bool quiet = false;
   bool describe = false;
+  // Tunables: read only when given (sub.count(flag) > 0).
+  int stage = 0, batch = 0, grad_accum = 0;
+  double lr = 0, clip = 0;
+  uint64_t seed = 0;
+  std::string dtype, offload_param, offload_optimizer, device_mem, host_mem, trace;
+  std::vector<std::string> nvme_paths;
   std::string prefetch_bucket, max_live, reuse_distance, sub_group;
   bool overlap_optimizer = false;
 };
+
+// The flags given, as build_train_settings() takes them.
+TrainFlags train_flags(const Args& a, const CLI::App& sub) {
+  auto given = [&](const char* flag) { return sub.count(flag) > 0; };
+  auto opt = [&](const char* flag, const auto& v) {
+    using T = std::decay_t<decltype(v)>;
+    return given(flag) ? std::optional<T>(v) : std::nullopt;
+  };
+  return TrainFlags{.stage = opt("--stage", a.stage),
+                    .dtype = opt("--dtype", a.dtype),
+                    .lr = opt("--lr", a.lr),
+                    .clip = opt("--clip", a.clip),
+                    .grad_accum = opt("--grad-accum", a.grad_accum),
+                    .batch = opt("--batch", a.batch),
+                    .seed = opt("--seed", a.seed),
+                    .offload_param = opt("--offload-param", a.offload_param),
+                    .offload_optimizer = opt("--offload-optimizer", a.offload_optimizer),
+                    .nvme_paths = a.nvme_paths,
+                    .prefetch_bucket = opt("--prefetch-bucket", a.prefetch_bucket),
+                    .max_live = opt("--max-live", a.max_live),
+                    .reuse_distance = opt("--reuse-distance", a.reuse_distance),
+                    .sub_group = opt("--sub-group", a.sub_group),
+                    .device_mem = opt("--device-mem", a.device_mem),
+                    .host_mem = opt("--host-mem", a.host_mem),
+                    .overlap_optimizer = a.overlap_optimizer,
+                    .trace = opt("--trace", a.trace)};
+}
+
+// Help text of a tunable's flag: what it does, its JSON key and what leaving it out means.
+template <class T>
+std::string help(std::string_view what, const tunables::Tunable<T>& tunable) {
+  const tunables::Entry& e = *tunables::find(tunable.name);
+  std::string def = tunables::to_string(e.train ? *e.train : e.value);
+  if (e.unit == tunables::Unit::kBytes && e.value == tunables::Value(uint64_t{0})) def = "auto";
+  return fmt::format("{} ({}; default {})", what, e.json, def);
+}
 
 // Peak resident set size of this process, in bytes.
 uint64_t peak_rss_bytes() {
   struct rusage ru {};
   ::getrusage(RUSAGE_SELF, &ru);
   return static_cast<uint64_t>(ru.ru_maxrss) * 1024;
-}
-
-Tier parse_offload(const std::string& flag, const std::string& v) {
-  if (v == "none") return Tier::kDevice;
-  if (v == "cpu") return Tier::kHost;
-  if (v == "nvme") return Tier::kNvme;
-  throw CliError(flag + " must be none, cpu or nvme, got '" + v + "'", 2);
 }
 
 void print_memory_table(const gpt::TrainReport& r, DType dtype) {
@@ -79,7 +108,6 @@ void print_memory_table(const gpt::TrainReport& r, DType dtype) {
 }
 
 void run(const Args& a, const CLI::App& sub) {
-  auto given = [&](const char* flag) { return sub.count(flag) > 0; };
   gpt::TrainOptions o;
   auto preset = gpt::preset(a.model);
   if (!preset.is_ok()) throw CliError(preset.status().message(), 2);
@@ -99,72 +127,32 @@ void run(const Args& a, const CLI::App& sub) {
     std::printf("%s\n", j.dump().c_str());
     return;
   }
-  o.batch = a.batch;
   o.steps = a.steps;
-  o.seed = a.seed;
   o.data = a.data;
   o.mpi = std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr;
   o.ranks = a.ranks;
   o.sample_bytes = a.sample;
   o.export_path = a.export_path;
   o.log_json = a.log_json;
-  EngineSettings& e = o.engine;
-  std::string trace_path = a.trace;
-  // A DeepSpeed JSON config sets the defaults; flags given on the command line win.
-  bool from_config = !a.config.empty();
-  if (from_config) {
-    auto cfg = config::load_config(a.config);
-    if (!cfg.is_ok()) throw CliError(cfg.status().detail(), 2);
-    int world = o.mpi ? std::atoi(std::getenv("OMPI_COMM_WORLD_SIZE")) : o.ranks;
-    if (Status s = config::resolve_batch_sizes(*cfg, world); !s.is_ok()) {
-      throw CliError(s.detail(), 2);
-    }
-    if (Status s = config::validate(*cfg, world); !s.is_ok()) throw CliError(s.detail(), 2);
-    auto settings = settings_from_config(*cfg);
-    if (!settings.is_ok()) throw CliError(settings.status().detail(), 2);
-    e = *settings;
-    if (!given("--batch")) o.batch = static_cast<int>(cfg->train_micro_batch_size_per_gpu);
-    if (!given("--seed") && cfg->zinf.seed) o.seed = cfg->zinf.seed;  // zinf.seed in the config
-    if (!given("--trace")) trace_path = cfg->zinf.trace;
-  } else {
-    e.adam.weight_decay = 0.01f;
+  // A DeepSpeed JSON config sets what it names; flags given on the command line win; what
+  // neither sets is the table's default (or zinf train's own).
+  std::optional<config::Config> cfg;
+  if (!a.config.empty()) {
+    auto loaded = config::load_config(a.config);
+    if (!loaded.is_ok()) throw CliError(loaded.status().detail(), 2);
+    cfg = std::move(*loaded);
   }
-  if (!from_config || given("--stage")) e.stage = a.stage;
-  if (e.stage < 0 || e.stage > 3) throw CliError("--stage must be 0..3", 2);
-  if (!from_config || given("--dtype")) {
-    auto dt = parse_dtype(a.dtype);
-    if (!dt) throw CliError("--dtype must be fp32, bf16 or fp16, got '" + a.dtype + "'", 2);
-    e.dtype = *dt;
-  }
-  if (!from_config || given("--lr")) e.adam.lr = static_cast<float>(a.lr);
-  if (!from_config || given("--clip")) e.gradient_clipping = static_cast<float>(a.clip);
-  if (!from_config || given("--grad-accum")) e.gradient_accumulation_steps = a.grad_accum;
-  if (!from_config || given("--offload-param")) {
-    e.param_home = parse_offload("--offload-param", a.offload_param);
-  }
-  if (!from_config || given("--offload-optimizer")) {
-    e.optimizer_home = parse_offload("--offload-optimizer", a.offload_optimizer);
-  }
-  if (e.param_home != Tier::kDevice && e.stage != 3) {
-    throw CliError("parameter offload needs ZeRO stage 3", 2);
-  }
-  if (!from_config || given("--nvme-path")) e.nvme_paths = a.nvme_paths;
-  if (!a.prefetch_bucket.empty()) {
-    e.prefetch_bucket_elements = elements_flag("--prefetch-bucket", a.prefetch_bucket);
-  }
-  if (!a.max_live.empty()) e.max_live_elements = elements_flag("--max-live", a.max_live);
-  if (!a.reuse_distance.empty()) {
-    e.max_reuse_distance = elements_flag("--reuse-distance", a.reuse_distance);
-  }
-  if (!a.sub_group.empty()) e.sub_group_elements = elements_flag("--sub-group", a.sub_group);
-  if (a.overlap_optimizer) e.overlap_optimizer = true;
+  const int world = o.mpi ? std::atoi(std::getenv("OMPI_COMM_WORLD_SIZE")) : o.ranks;
+  const TrainSettings ts = build_train_settings(train_flags(a, sub), cfg ? &*cfg : nullptr, world);
+  o.engine = ts.engine;
+  o.batch = ts.batch;
+  o.seed = ts.seed;  // one seed for the initialisation, the data order and the sample
+  const EngineSettings& e = o.engine;
+  const std::string& trace_path = ts.trace;
   for (const std::string& p : e.nvme_paths) {
     std::error_code ec;
     std::filesystem::create_directories(p, ec);
   }
-  if (!a.device_mem.empty()) e.device_mem = bytes_flag("--device-mem", a.device_mem);
-  if (!a.host_mem.empty()) e.host_mem = bytes_flag("--host-mem", a.host_mem);
-  e.seed = o.seed;  // one seed for the initialisation, the data order and the sample
   if (Status s = gpt::check_train_options(o); !s.is_ok()) throw CliError(s.detail(), 2);
 
   const bool tty = ::isatty(STDERR_FILENO) && !a.quiet;
@@ -172,13 +160,16 @@ void run(const Args& a, const CLI::App& sub) {
   if (!a.log_json.empty()) {
     log = std::make_unique<std::ofstream>(a.log_json, std::ios::trunc);
     if (!*log) throw CliError("cannot write " + a.log_json, 2);
+    *log << settings_log_line(ts).dump() << "\n";  // the first line; then one per step
+    log->flush();
   }
   if (!a.quiet) {
     std::printf("zinf train: %s, %s rank%s, ZeRO stage %d, %s, params on %s, optimizer on %s\n",
                 gpt::describe(o.model).c_str(),
                 o.mpi ? std::getenv("OMPI_COMM_WORLD_SIZE") : std::to_string(o.ranks).c_str(),
-                o.ranks == 1 && !o.mpi ? "" : "s", e.stage, a.dtype.c_str(),
+                o.ranks == 1 && !o.mpi ? "" : "s", e.stage, dtype_name(e.dtype).data(),
                 tier_name(e.param_home).data(), tier_name(e.optimizer_home).data());
+    std::printf("%s", settings_block(ts).c_str());
     std::fflush(stdout);
   }
   auto on_step = [&](const gpt::StepLog& s, int total) {
@@ -269,47 +260,65 @@ const Registration kTrain{
       sub.add_option("--config", a->config,
                      "DeepSpeed JSON config (zero_optimization, optimizer, fp16/bf16, aio, ...); "
                      "flags given here win");
-      sub.add_option("--model", a->model, "Preset: tiny, small, gpt2-124m, 1b, 2b (default small)");
+      sub.add_option("--model", a->model, "Preset: tiny, small, gpt2-124m, 1b, 2b")
+          ->capture_default_str();
       sub.add_option("--layers", a->layers, "Override the number of blocks");
       sub.add_option("--dim", a->dim, "Override the model width");
       sub.add_option("--heads", a->heads, "Override the number of attention heads");
       sub.add_option("--seq", a->seq, "Override the context length");
-      sub.add_option("--batch", a->batch, "Sequences per rank per micro-step (default 8)");
-      sub.add_option("--steps", a->steps, "Optimizer steps (default 200)");
-      sub.add_option("--lr", a->lr, "Learning rate (default 3e-3)");
-      sub.add_option("--seed", a->seed, "Seed of the initialisation and the data order");
+      sub.add_option("--batch", a->batch,
+                     help("Sequences per rank per micro-step", t::kMicroBatch));
+      sub.add_option("--steps", a->steps, "Optimizer steps")->capture_default_str();
+      sub.add_option("--lr", a->lr, help("Learning rate", t::kLr));
+      sub.add_option("--seed", a->seed,
+                     help("Seed of the initialisation and the data order", t::kSeed));
       sub.add_option("--data", a->data, "Text file to train on (default: the fortunes corpus)");
-      sub.add_option("--ranks", a->ranks, "Data-parallel ranks as local threads (default 1)");
-      sub.add_option("--stage", a->stage, "ZeRO stage 0..3 (default 3)");
-      sub.add_option("--offload-param", a->offload_param, "none | cpu | nvme (stage 3)");
-      sub.add_option("--offload-optimizer", a->offload_optimizer, "none | cpu | nvme");
-      sub.add_option("--nvme-path", a->nvme_paths, "Swap directory (repeatable: striped)");
-      sub.add_option("--dtype", a->dtype, "fp32 | bf16 | fp16 working precision (default fp32)");
+      sub.add_option("--ranks", a->ranks, "Data-parallel ranks as local threads")
+          ->capture_default_str();
+      sub.add_option("--stage", a->stage, help("ZeRO stage 0..3", t::kStage));
+      sub.add_option("--offload-param", a->offload_param,
+                     help("Parameters on none, cpu or nvme; stage 3", t::kParamHome));
+      sub.add_option("--offload-optimizer", a->offload_optimizer,
+                     help("Optimizer state on none, cpu or nvme", t::kOptimizerHome));
+      sub.add_option("--nvme-path", a->nvme_paths,
+                     help("Swap directory (repeatable: striped)", t::kNvmePaths));
+      sub.add_option("--dtype", a->dtype, help("fp32 | bf16 | fp16 working precision", t::kDtype));
       sub.add_option("--prefetch-bucket", a->prefetch_bucket,
-                     "Stage 3: parameter elements all-gathered ahead along the recorded order "
-                     "(stage3_prefetch_bucket_size; default 5e7, 0 = off)");
+                     help("Stage 3: parameter elements all-gathered ahead along the recorded "
+                          "order, 0 = off",
+                          t::kPrefetchBucket));
       sub.add_option("--max-live", a->max_live,
-                     "Stage 3: parameter elements gathered at once (stage3_max_live_parameters; "
-                     "default 1e9, and at most half of --device-mem)");
+                     help("Stage 3: parameter elements gathered at once, and at most half of "
+                          "--device-mem",
+                          t::kMaxLive));
       sub.add_option("--reuse-distance", a->reuse_distance,
-                     "Stage 3: keep a unit gathered when it is used again within this many "
-                     "elements (stage3_max_reuse_distance; default 1e9, 0 = never)");
+                     help("Stage 3: keep a unit gathered when it is used again within this many "
+                          "elements, 0 = never",
+                          t::kMaxReuseDistance));
       sub.add_option("--sub-group", a->sub_group,
-                     "Optimizer sub-group size in elements (sub_group_size; default 1e9, capped "
-                     "to a third of --host-mem with the optimizer offloaded; 0 = one per unit, "
-                     "uncapped)");
+                     help("Optimizer sub-group size in elements, capped to a third of "
+                          "--host-mem with the optimizer offloaded; 0 = one per unit, uncapped",
+                          t::kSubGroup));
       sub.add_flag("--overlap-optimizer", a->overlap_optimizer,
-                   "Start each unit's optimizer update during the backward pass once its "
-                   "gradients are final (only with --clip 0 and without fp16; otherwise a "
-                   "warning and no effect)");
-      sub.add_option("--device-mem", a->device_mem, "Device budget per rank, e.g. 2G");
-      sub.add_option("--host-mem", a->host_mem, "Pinned host budget per rank, e.g. 4G");
-      sub.add_option("--grad-accum", a->grad_accum, "Micro-steps per step (default 1)");
-      sub.add_option("--clip", a->clip, "Global gradient-norm clipping, 0 = off (default 1.0)");
+                   help("Start each unit's optimizer update during the backward pass once its "
+                        "gradients are final (only with --clip 0 and without fp16; otherwise a "
+                        "warning and no effect)",
+                        t::kOverlapOptimizer));
+      sub.add_option("--device-mem", a->device_mem,
+                     help("Device budget per rank, e.g. 2G (0 is an error)", t::kDeviceMem));
+      sub.add_option("--host-mem", a->host_mem,
+                     help("Host budget per rank, e.g. 4G (0 is an error)", t::kHostMem));
+      sub.add_option("--grad-accum", a->grad_accum,
+                     help("Micro-steps per step", t::kGradientAccumulationSteps));
+      sub.add_option("--clip", a->clip,
+                     help("Global gradient-norm clipping, 0 = off", t::kGradientClipping));
       sub.add_option("--trace", a->trace,
-                     "Write a Chrome/Perfetto trace (tracks per rank: compute, comm, copy, NVMe "
-                     "read/write, CPU Adam)");
-      sub.add_option("--log-json", a->log_json, "Write one JSON object per step to this file");
+                     help("Write a Chrome/Perfetto trace (tracks per rank: compute, comm, copy, "
+                          "NVMe read/write, CPU Adam)",
+                          t::kTrace));
+      sub.add_option("--log-json", a->log_json,
+                     "Write the effective settings ({\"settings\": ...}) and then one JSON object "
+                     "per step to this file");
       sub.add_option("--export", a->export_path, "Write the final fp32 weights (.safetensors)");
       sub.add_option("--sample", a->sample, "Generate this many bytes of text at the end");
       sub.add_flag("--quiet", a->quiet, "Print nothing but errors");

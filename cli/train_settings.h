@@ -1,0 +1,81 @@
+// What `zinf train` runs with: the table of tunables (zinf/core/tunables.h), then `zinf train`'s
+// own defaults (the table's `train` values), then the keys the --config file sets, then the
+// flags. Everything goes through one config::Config and settings_from_config, so a flag means
+// exactly what its JSON key means (DeepSpeed's stage-dependent overlap_comm included), and a run
+// is the same with and without a config file that leaves a key out.
+//
+// A library of its own (zinf_cli_train) so tests/settings can check that the CLI, the config
+// reader and EngineSettings{} agree without running the command.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "zinf/config/config.h"
+#include "zinf/engine/settings.h"
+
+namespace zinf::cli {
+
+// The flags of `zinf train` that set tunables, as typed; std::nullopt (or empty) = not given.
+struct TrainFlags {
+  std::optional<int> stage;
+  std::optional<std::string> dtype;
+  std::optional<double> lr;
+  std::optional<double> clip;
+  std::optional<int> grad_accum;
+  std::optional<int> batch;
+  std::optional<uint64_t> seed;
+  std::optional<std::string> offload_param;
+  std::optional<std::string> offload_optimizer;
+  std::vector<std::string> nvme_paths;
+  std::optional<std::string> prefetch_bucket;
+  std::optional<std::string> max_live;
+  std::optional<std::string> reuse_distance;
+  std::optional<std::string> sub_group;
+  std::optional<std::string> device_mem;
+  std::optional<std::string> host_mem;
+  bool overlap_optimizer = false;
+  std::optional<std::string> trace;
+};
+
+// Where a setting's value came from.
+enum class Source {
+  kDefault,    // the table's default
+  kTrain,      // `zinf train`'s own default (the table's `train` value)
+  kStageRule,  // DeepSpeed's rule from the stage (overlap_comm: on for stage 3)
+  kConfig,     // the --config file
+  kFlag,       // a flag
+};
+std::string_view source_name(Source s);
+
+struct TrainSettings {
+  EngineSettings engine;
+  config::Config config;  // the effective configuration the engine settings were built from
+  int batch = 0;          // sequences per rank per micro-step (train_micro_batch_size_per_gpu)
+  uint64_t seed = 0;      // also engine.seed: the initialisation, the data order, the sample
+  std::string trace;      // zinf.trace: Chrome/Perfetto trace file; "" = none
+  // By table name; an entry absent here is at the table's default.
+  std::map<std::string, Source, std::less<>> sources;
+};
+
+// Builds the settings. `cfg`: the parsed --config file, or nullptr when there is none. `world`:
+// the ranks, for DeepSpeed's batch-size derivation. A bad flag or combination is a CliError
+// (exit code 2) naming the flag or the JSON key.
+TrainSettings build_train_settings(const TrainFlags& flags, const config::Config* cfg, int world);
+
+// Every tunables::kAll entry by name, with its effective value (settings_json's form).
+nlohmann::ordered_json effective_settings_json(const TrainSettings& s);
+
+// The first line of --log-json: {"settings": {name: value, ...}, "set_by": {name: source, ...}}
+// (set_by lists the settings not at the table's default).
+nlohmann::ordered_json settings_log_line(const TrainSettings& s);
+
+// The start-up block: "settings ..." and indented lines of `name=value`, each marked with where
+// it came from unless it is the table's default; lines of at most `width` columns.
+std::string settings_block(const TrainSettings& s, size_t width = 100);
+
+}  // namespace zinf::cli

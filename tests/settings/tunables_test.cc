@@ -1,0 +1,367 @@
+// The table of tunables (zinf/core/tunables.h) is the only place a default is written. These tests
+// hold the three readers of it against the table and against each other, entry by entry:
+//   - the engine: EngineSettings{};
+//   - the config reader: settings_from_config(parse_config("{}")), and a one-line config;
+//   - `zinf train`: build_train_settings() with no flags, with --config "{}", with flags.
+// A default written a second time anywhere (a literal in EngineSettings, config.h or the CLI)
+// makes one of them fail; TheComparisonIsNotVacuous shows that the comparison sees a change.
+#include "zinf/core/tunables.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <set>
+#include <string>
+
+#include "command.h"
+#include "train_settings.h"
+#include "zinf/config/config.h"
+#include "zinf/engine/settings.h"
+
+namespace zinf {
+namespace {
+
+namespace t = tunables;
+using cli::build_train_settings;
+using cli::Source;
+using cli::TrainFlags;
+using cli::TrainSettings;
+using nlohmann::json;
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+
+// ---- helpers
+// -------------------------------------------------------------------------------------
+
+config::Config parse(std::string_view text) {
+  Result<config::Config> c = config::parse_config_text(text);
+  EXPECT_TRUE(c.is_ok()) << c.status().to_string() << "\n" << text;
+  return c.is_ok() ? *c : config::Config{};
+}
+
+EngineSettings from_config(std::string_view text) {
+  Result<EngineSettings> s = settings_from_config(parse(text));
+  EXPECT_TRUE(s.is_ok()) << s.status().to_string();
+  return s.is_ok() ? *s : EngineSettings{};
+}
+
+// The CLI's settings as plain json (for comparisons with settings_json()).
+json cli_json(const TrainSettings& s) {
+  return json::parse(cli::effective_settings_json(s).dump());
+}
+
+TrainSettings cli_run(const TrainFlags& flags = {}, std::string_view config_text = {}) {
+  if (config_text.empty()) return build_train_settings(flags, nullptr, 1);
+  config::Config c = parse(config_text);
+  return build_train_settings(flags, &c, 1);
+}
+
+// The names whose values differ between `a` and `b` (keys of either).
+std::set<std::string> differences(const json& a, const json& b) {
+  std::set<std::string> out;
+  for (const auto& [key, value] : a.items()) {
+    if (!b.contains(key) || b.at(key) != value) out.insert(key);
+  }
+  for (const auto& [key, value] : b.items()) {
+    if (!a.contains(key)) out.insert(key);
+  }
+  return out;
+}
+
+json table_default(const t::Entry& e) { return tunable_json(e, e.value); }
+
+std::set<std::string> engine_entry_names() {
+  std::set<std::string> names;
+  for (const t::Entry& e : t::kAll) {
+    if (e.reader == t::Reader::kEngine) names.insert(std::string(e.name));
+  }
+  return names;
+}
+
+// Members of an aggregate, counted by aggregate-initialising it from ever more placeholders that
+// convert to any type (as boost::pfr does). Only used in unevaluated context.
+struct AnyField {
+  template <class T>
+  operator T() const;  // NOLINT: implicit on purpose
+};
+template <class T, class... Fields>
+constexpr size_t field_count() {
+  if constexpr (requires { T{Fields{}..., AnyField{}}; }) {
+    return field_count<T, Fields..., AnyField>();
+  } else {
+    return sizeof...(Fields);
+  }
+}
+
+// ---- the table and the engine
+// ---------------------------------------------------------------------
+
+TEST(Tunables, EntriesAreWellFormed) {
+  std::set<std::string_view> names, flags;
+  for (const t::Entry& e : t::kAll) {
+    SCOPED_TRACE(std::string(e.name));
+    EXPECT_TRUE(names.insert(e.name).second) << "a name twice";
+    if (!e.flag.empty()) EXPECT_TRUE(flags.insert(e.flag).second) << "a flag twice";
+    EXPECT_FALSE(e.doc.empty());
+    EXPECT_EQ(t::find(e.name), &e);
+    // A key that sets a tunable is acted on, so it is not in the accepted-but-ignored list.
+    for (const config::IgnoredKey& k : config::accepted_but_ignored_keys()) {
+      EXPECT_THAT(std::string(e.json), ::testing::Not(HasSubstr(std::string(k.path))));
+    }
+    if (e.train) EXPECT_NE(*e.train, e.value) << "a train value equal to the default";
+  }
+  EXPECT_EQ(t::find("no such setting"), nullptr);
+}
+
+// A field added to EngineSettings without an entry (and a line in settings_json) fails here.
+TEST(Tunables, EveryEngineFieldHasAnEntry) {
+  std::set<std::string> engine_names = engine_entry_names();
+  std::set<std::string> json_names;
+  const json defaults = settings_json(EngineSettings{});
+  for (const auto& [key, value] : defaults.items()) json_names.insert(key);
+  EXPECT_EQ(json_names, engine_names) << "settings_json() and the table's engine entries";
+
+  size_t adam_entries = 0;
+  for (const std::string& n : engine_names) adam_entries += n.starts_with("adam.");
+  EXPECT_EQ(field_count<kernels::AdamConfig>(), adam_entries)
+      << "kernels::AdamConfig gained or lost a field: give it an adam.* entry in tunables.h";
+  EXPECT_EQ(field_count<EngineSettings>(), engine_names.size() - adam_entries + 1)
+      << "EngineSettings gained or lost a field: give it an entry in tunables.h and a line in "
+         "settings_json() (runtime/engine/src/settings.cc)";
+}
+
+TEST(Tunables, EngineSettingsDefaultsAreTheTable) {
+  const json engine = settings_json(EngineSettings{});
+  for (const t::Entry& e : t::kAll) {
+    if (e.reader != t::Reader::kEngine) continue;
+    EXPECT_EQ(engine.at(std::string(e.name)), table_default(e)) << e.name;
+  }
+}
+
+// ---- the config reader
+// ----------------------------------------------------------------------------
+
+TEST(Tunables, ConfigReaderDefaultsAreTheTable) {
+  EXPECT_EQ(parse("{}"), config::Config{});
+  EXPECT_EQ(differences(settings_json(from_config("{}")), settings_json(EngineSettings{})),
+            std::set<std::string>{});
+
+  // The entries only the config reader holds.
+  const config::Config c = parse("{}");
+  EXPECT_EQ(config::optimizer_type_name(c.optimizer.type), t::kOptimizerType.value);
+  EXPECT_EQ(c.zero.offload_param.buffer_count, t::kParamBufferCount.value);
+  EXPECT_EQ(c.train_micro_batch_size_per_gpu, t::kMicroBatch.value);
+  EXPECT_EQ(c.zinf.trace, t::kTrace.value);
+
+  // Every entry with one JSON key that to_json writes: the value there is the table's.
+  const json written = config::to_json(c);
+  size_t compared = 0;
+  for (const t::Entry& e : t::kAll) {
+    std::string path(e.json);
+    if (path.empty() || path.find(',') != std::string::npos) continue;
+    std::string pointer = "/" + path;
+    std::replace(pointer.begin(), pointer.end(), '.', '/');
+    if (!written.contains(json::json_pointer(pointer))) continue;
+    const json& v = written.at(json::json_pointer(pointer));
+    if (!v.is_primitive()) continue;  // betas: the pair
+    EXPECT_EQ(v, table_default(e)) << e.name << " at " << path;
+    ++compared;
+  }
+  EXPECT_GE(compared, 25u) << "the walk over to_json() compared too little";
+}
+
+TEST(Tunables, AOneLineConfigChangesOnlyItsKey) {
+  const json defaults = settings_json(EngineSettings{});
+  EXPECT_EQ(differences(settings_json(from_config(R"({"aio": {"queue_depth": 16}})")), defaults),
+            std::set<std::string>{"io_queue_depth"});
+  EXPECT_EQ(
+      differences(settings_json(from_config(R"({"zinf": {"staging_bytes": "8M"}})")), defaults),
+      std::set<std::string>{"staging_bytes"});
+  // DeepSpeed's rule: overlap_comm follows the stage when the key is absent.
+  EXPECT_EQ(
+      differences(settings_json(from_config(R"({"zero_optimization": {"stage": 3}})")), defaults),
+      (std::set<std::string>{"overlap_comm", "stage"}));
+  // offload_param.max_in_cpu is acted on: it reaches the engine.
+  EngineSettings s = from_config(R"({"zero_optimization": {"stage": 3, "offload_param":
+      {"device": "nvme", "nvme_path": "/n", "max_in_cpu": 5e8}}})");
+  EXPECT_EQ(s.param_max_in_cpu, 500'000'000u);
+  EXPECT_EQ(s.staging_buffers, static_cast<uint32_t>(t::kParamBufferCount.value))
+      << "offload_param.buffer_count when parameters are offloaded";
+}
+
+// ---- zinf train
+// -----------------------------------------------------------------------------------
+
+// The DeepSpeed config that holds zinf train's own defaults (the table's `train` values).
+std::string recipe_config() {
+  json j = json::object();
+  for (const t::Entry& e : t::kAll) {
+    if (!e.train) continue;
+    std::string pointer = "/" + std::string(e.json);
+    EXPECT_EQ(pointer.find(','), std::string::npos) << e.name;
+    std::replace(pointer.begin(), pointer.end(), '.', '/');
+    j[json::json_pointer(pointer)] = tunable_json(e, *e.train);
+  }
+  if (j.contains("optimizer")) j["optimizer"]["type"] = std::string(t::kOptimizerType.value);
+  return j.dump();
+}
+
+TEST(Tunables, ZinfTrainWithoutFlagsRunsTheTableAndItsOwnDefaults) {
+  const TrainSettings s = cli_run();
+  const json cli = cli_json(s);
+  for (const t::Entry& e : t::kAll) {
+    SCOPED_TRACE(std::string(e.name));
+    const std::string name(e.name);
+    ASSERT_TRUE(cli.contains(name));
+    if (e.train) {
+      EXPECT_EQ(cli.at(name), tunable_json(e, *e.train));
+      EXPECT_EQ(s.sources.at(name), Source::kTrain);
+    } else if (e.name == t::kOverlapComm.name) {
+      EXPECT_EQ(cli.at(name), cli.at("stage") == 3) << "DeepSpeed's rule, as the config reader";
+    } else {
+      EXPECT_EQ(cli.at(name), table_default(e));
+      EXPECT_FALSE(s.sources.contains(name));
+    }
+  }
+  // The same engine settings as the config reader gives for a config holding the recipe.
+  EXPECT_EQ(differences(settings_json(s.engine), settings_json(from_config(recipe_config()))),
+            std::set<std::string>{});
+  EXPECT_EQ(s.batch, *t::kMicroBatch.train);
+  EXPECT_EQ(s.seed, s.engine.seed);
+}
+
+TEST(Tunables, ZinfTrainIsTheSameWithAndWithoutAConfigThatLeavesKeysOut) {
+  const TrainSettings plain = cli_run();
+  const TrainSettings empty = cli_run({}, "{}");
+  EXPECT_EQ(differences(cli_json(plain), cli_json(empty)), std::set<std::string>{});
+  EXPECT_EQ(plain.sources, empty.sources);
+
+  const TrainSettings one_line = cli_run({}, R"({"aio": {"queue_depth": 16}})");
+  EXPECT_EQ(differences(cli_json(plain), cli_json(one_line)),
+            std::set<std::string>{"io_queue_depth"});
+  EXPECT_EQ(one_line.engine.io_queue_depth, 16u);
+  EXPECT_EQ(one_line.sources.at("io_queue_depth"), Source::kConfig);
+
+  // A config that sets a key zinf train has its own default for: the config's value.
+  const TrainSettings staged = cli_run({}, R"({"zero_optimization": {"stage": 2}})");
+  EXPECT_EQ(differences(cli_json(plain), cli_json(staged)),
+            (std::set<std::string>{"overlap_comm", "stage"}));
+  EXPECT_EQ(staged.sources.at("stage"), Source::kConfig);
+  EXPECT_FALSE(staged.engine.overlap_comm);
+  EXPECT_EQ(staged.sources.at("adam.lr"), Source::kTrain);
+
+  // "auto" is left to the trainer, as the Hugging Face integration does: zinf train's value.
+  const TrainSettings autos = cli_run({}, R"({"optimizer": {"type": "Adam", "params":
+                                             {"lr": "auto"}}, "train_batch_size": "auto"})");
+  EXPECT_EQ(autos.engine.adam.lr, *t::kLr.train);
+  EXPECT_EQ(autos.batch, *t::kMicroBatch.train);
+  // train_batch_size alone sets the micro batch through DeepSpeed's derivation (world 1).
+  EXPECT_EQ(cli_run({}, R"({"train_batch_size": 3})").batch, 3);
+}
+
+TEST(Tunables, FlagsWinOverTheConfig) {
+  TrainFlags f{.stage = 1,
+               .dtype = "bf16",
+               .lr = 0.25,
+               .offload_optimizer = "nvme",
+               .nvme_paths = {"/swap"},
+               .sub_group = "4096",
+               .device_mem = "3G"};
+  const TrainSettings s = cli_run(f, R"({"zero_optimization": {"stage": 3}, "fp16":
+      {"enabled": true}, "optimizer": {"type": "AdamW", "params": {"lr": 0.5}},
+      "aio": {"queue_depth": 16}})");
+  EXPECT_EQ(s.engine.stage, 1);
+  EXPECT_FALSE(s.engine.overlap_comm) << "the stage rule follows the flag's stage";
+  EXPECT_EQ(s.engine.dtype, DType::kBF16);
+  EXPECT_EQ(s.engine.adam.lr, 0.25f);
+  EXPECT_EQ(s.engine.optimizer_home, Tier::kNvme);
+  EXPECT_EQ(s.engine.nvme_paths, std::vector<std::string>{"/swap"});
+  EXPECT_EQ(s.engine.sub_group_elements, 4096u);
+  EXPECT_EQ(s.engine.device_mem, 3ull << 30);
+  EXPECT_EQ(s.engine.host_mem, 0u) << "auto";
+  EXPECT_EQ(s.engine.io_queue_depth, 16u);
+  EXPECT_EQ(s.sources.at("stage"), Source::kFlag);
+  EXPECT_EQ(s.sources.at("dtype"), Source::kFlag);
+  EXPECT_EQ(s.sources.at("io_queue_depth"), Source::kConfig);
+  EXPECT_FALSE(s.sources.contains("host_mem"));
+}
+
+TEST(Tunables, BadFlagsAreErrorsNamingTheFlag) {
+  struct Bad {
+    TrainFlags flags;
+    const char* message;
+  };
+  const Bad cases[] = {
+      {{.device_mem = "0"}, "--device-mem: expected a positive size such as 2G, got '0'"},
+      {{.host_mem = "0G"}, "--host-mem: expected a positive size such as 2G, got '0G'"},
+      {{.host_mem = "lots"}, "--host-mem"},
+      {{.stage = 4}, "--stage must be 0..3"},
+      {{.dtype = "fp8"}, "--dtype must be fp32, bf16 or fp16, got 'fp8'"},
+      {{.stage = 2, .offload_param = "cpu"}, "parameter offload needs ZeRO stage 3"},
+      {{.offload_param = "nvme"}, "--offload-param nvme needs a swap directory: --nvme-path DIR"},
+      {{.offload_optimizer = "disk"}, "--offload-optimizer must be none, cpu or nvme"},
+      {{.max_live = "1.5"}, "--max-live: expected a non-negative whole number of elements"},
+      {{.grad_accum = 0}, "--grad-accum must be >= 1"},
+  };
+  for (const Bad& bad : cases) {
+    try {
+      cli_run(bad.flags);
+      ADD_FAILURE() << "no error for " << bad.message;
+    } catch (const cli::CliError& e) {
+      EXPECT_THAT(e.what(), HasSubstr(bad.message));
+      EXPECT_EQ(e.code, 2) << bad.message;
+    }
+  }
+  // The config's own zero budget is refused by the reader, naming the key.
+  Result<config::Config> c = config::parse_config_text(R"({"zinf": {"host_mem": 0}})");
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_THAT(c.status().message(), HasSubstr("zinf.host_mem: expected a positive byte count"));
+}
+
+// The comparisons above would see a default written differently in one place.
+TEST(Tunables, TheComparisonIsNotVacuous) {
+  EngineSettings drifted;
+  drifted.staging_bytes = 4ull << 20;  // the config reader's old default
+  EXPECT_EQ(differences(settings_json(drifted), settings_json(EngineSettings{})),
+            std::set<std::string>{"staging_bytes"});
+  drifted = EngineSettings{};
+  drifted.adam.weight_decay_mode = kernels::WeightDecayMode::kL2;
+  drifted.device = DeviceKind::kCpuStrict;
+  EXPECT_EQ(differences(settings_json(drifted), settings_json(EngineSettings{})),
+            (std::set<std::string>{"adam.adam_w_mode", "device"}));
+  // A table default the engine would not match.
+  const t::Entry& queue_depth = *t::find("io_queue_depth");
+  EXPECT_NE(settings_json(EngineSettings{}).at("io_queue_depth"),
+            tunable_json(queue_depth, t::Value(uint64_t{32})));
+}
+
+TEST(Tunables, TheStartUpBlockAndTheLogLineNameEverySetting) {
+  const TrainSettings s = cli_run({.stage = 2, .host_mem = "1G"}, R"({"aio": {"queue_depth": 4}})");
+  const std::string block = cli::settings_block(s);
+  for (const t::Entry& e : t::kAll)
+    EXPECT_THAT(block, HasSubstr(std::string(e.name) + "=")) << e.name;
+  EXPECT_THAT(block, HasSubstr("stage=2 (flag)"));
+  EXPECT_THAT(block, HasSubstr("host_mem=1024 MiB (flag)"));
+  EXPECT_THAT(block, HasSubstr("device_mem=auto"));
+  EXPECT_THAT(block, HasSubstr("io_queue_depth=4 (config)"));
+  EXPECT_THAT(block, HasSubstr("adam.lr=0.003 (zinf train)"));
+  EXPECT_THAT(block, HasSubstr("staging_bytes=2 MiB  "));
+  for (size_t start = 0, end; start < block.size(); start = end + 1) {
+    end = block.find('\n', start);
+    EXPECT_LE(end - start, 100u) << block.substr(start, end - start);
+  }
+
+  const json line = json::parse(cli::settings_log_line(s).dump());
+  ASSERT_TRUE(line.contains("settings"));
+  EXPECT_EQ(line["settings"].size(), t::kAll.size());
+  EXPECT_EQ(line["settings"]["stage"], 2);
+  EXPECT_EQ(line["set_by"]["stage"], "flag");
+  EXPECT_EQ(line["set_by"]["io_queue_depth"], "config");
+  EXPECT_FALSE(line["set_by"].contains("staging_bytes"));
+  EXPECT_EQ(cli::settings_log_line(s).begin().key(), "settings") << "the first key of the line";
+}
+
+}  // namespace
+}  // namespace zinf
