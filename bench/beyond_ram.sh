@@ -31,7 +31,7 @@ fi
 python3 - "$LOG" "$state" "$params" <<'PY'
 import json, sys
 log, state, params = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-steps = [json.loads(l) for l in open(log)]
+steps = [s for s in map(json.loads, open(log)) if "step" in s]  # line 1: {"settings": ...}
 rss = max(s["peak_rss_bytes"] for s in steps)
 # ZeRO-Infinity, stage 3, one rank, everything on NVMe: each step reads the fp32 parameters
 # twice (forward and backward gathers) and the optimizer reads and writes parameters, gradients,

@@ -44,7 +44,7 @@ import json, statistics, sys
 tmp, rounds = sys.argv[1], int(sys.argv[2])
 med = statistics.median
 def steps(name):  # the first two steps record the trace and warm up: leave them out
-    rows = [json.loads(l) for l in open(f"{tmp}/{name}.jsonl")]
+    rows = [r for r in map(json.loads, open(f"{tmp}/{name}.jsonl")) if "step" in r]
     return rows[2:] if len(rows) > 3 else rows
 compute = med(s["seconds"] for s in steps("a"))
 per = {k: [] for k in ("b_s", "c_s", "d_s", "c_io_s", "d_io_s", "c_eff", "d_eff", "read", "write")}
