@@ -216,8 +216,29 @@ void run(const Args& a, const CLI::App& sub) {
       log->flush();
     }
   };
+  // The budgets each rank runs with, once the engine has chosen them (docs/engine.md, Budgets).
+  auto on_start = [&](const EngineSettings& effective, const Budgets& b) {
+    if (!a.quiet) {
+      std::printf("budgets per rank: device %s (%s), host %s (%s)\n",
+                  format_bytes(static_cast<double>(b.device_bytes)).c_str(),
+                  b.device_reason.c_str(), format_bytes(static_cast<double>(b.host_bytes)).c_str(),
+                  b.host_reason.c_str());
+      std::fflush(stdout);
+    }
+    if (log) {
+      *log << nlohmann::json{{"budgets",
+                              {{"device_bytes", b.device_bytes},
+                               {"device_reason", b.device_reason},
+                               {"host_bytes", b.host_bytes},
+                               {"host_reason", b.host_reason},
+                               {"dtype", dtype_name(effective.dtype)}}}}
+                  .dump()
+           << "\n";
+      log->flush();
+    }
+  };
   if (!trace_path.empty()) trace::start(trace_path);
-  auto report = gpt::train(o, on_step);
+  auto report = gpt::train(o, on_step, on_start);
   if (tty) std::fprintf(stderr, "\n");
   if (!trace_path.empty()) {
     Status ts = trace::stop();

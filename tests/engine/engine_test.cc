@@ -19,6 +19,9 @@ EngineSettings base(int stage) {
   s.stage = stage;
   s.adam.lr = 0.01f;
   s.adam.weight_decay = 0.01f;
+  // The test model's units are all below DeepSpeed's default threshold (1e5); the tests of
+  // gathering want them gathered per use (PersistentUnitsAreGatheredOncePerStep tests the rest).
+  s.param_persistence_threshold = 0;
   return s;
 }
 

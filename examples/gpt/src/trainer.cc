@@ -75,9 +75,35 @@ struct GatherFailed {
 // fp32 on the host, are written to the device in the working dtype when its scope ends (16-bit
 // gradients travel through the reduction). Device memory is reached only through the device's
 // operations (UnitScope::params_to_host / grads_from_host).
+//
+// The host copies come from a small pool of buffers kept for the whole run (a few units' worth:
+// the open units' parameters and gradients), so that a step allocates nothing on the host.
+class HostBuffers {
+ public:
+  // A buffer of n elements: one given back earlier with that size (units of a kind are the same
+  // size), or a new one. A larger one is not reused: a small unit would pin a large buffer.
+  std::vector<float> take(size_t n) {
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+      if (it->size() == n) {
+        std::vector<float> v = std::move(*it);
+        free_.erase(it);
+        return v;
+      }
+    }
+    return std::vector<float>(n);
+  }
+  void give(std::vector<float> v) {
+    if (v.capacity() > 0) free_.push_back(std::move(v));
+  }
+
+ private:
+  std::vector<std::vector<float>> free_;
+};
+
 class ScopeAdapter {
  public:
-  explicit ScopeAdapter(Engine& engine) : engine_(engine) {}
+  ScopeAdapter(Engine& engine, HostBuffers& buffers) : engine_(engine), buffers_(buffers) {}
+  ~ScopeAdapter() { (void)close_all(); }
 
   const float* params(int unit) {
     auto it = open_.find(unit);
@@ -85,10 +111,10 @@ class ScopeAdapter {
       close_others(unit);
       auto scope = engine_.gather(static_cast<size_t>(unit));
       if (!scope.is_ok()) throw GatherFailed{scope.status()};
-      Open o{.scope = std::move(scope).value()};
-      o.params.resize(o.scope.layout().numel);
+      it = open_.emplace(unit, Open{.scope = std::move(scope).value()}).first;
+      Open& o = it->second;
+      o.params = buffers_.take(o.scope.layout().numel);
       check(o.scope.params_to_host(o.params));
-      it = open_.emplace(unit, std::move(o)).first;
     }
     return it->second.params.data();
   }
@@ -96,7 +122,10 @@ class ScopeAdapter {
   float* grads(int unit) {
     if (!open_.count(unit)) params(unit);
     Open& o = open_.at(unit);
-    if (o.grads.empty()) o.grads.assign(o.scope.layout().numel, 0.0f);
+    if (o.grads.empty()) {
+      o.grads = buffers_.take(o.scope.layout().numel);
+      std::fill(o.grads.begin(), o.grads.end(), 0.0f);
+    }
     return o.grads.data();
   }
 
@@ -122,10 +151,12 @@ class ScopeAdapter {
   }
 
   // Writes the unit's gradients (if any) to the device and ends its scope (which reduces them).
-  static Status close(Open& o) {
+  Status close(Open& o) {
     Status s;
     if (!o.grads.empty()) s = o.scope.grads_from_host(o.grads);
     Status f = o.scope.finish();
+    buffers_.give(std::move(o.params));
+    buffers_.give(std::move(o.grads));
     return s.is_ok() ? f : s;
   }
 
@@ -143,6 +174,7 @@ class ScopeAdapter {
   }
 
   Engine& engine_;
+  HostBuffers& buffers_;
   std::map<int, Open> open_;
 };
 
@@ -161,7 +193,7 @@ struct Shared {
 };
 
 Status run_rank(comm::Communicator& comm, const TrainOptions& o, const TextDataset& data,
-                Shared& shared, const StepCallback& on_step) {
+                Shared& shared, const StepCallback& on_step, const StartCallback& on_start) {
   const int rank = comm.rank(), world = comm.world_size();
   const GptConfig& cfg = o.model;
   const int T = o.seq > 0 ? o.seq : cfg.seq;
@@ -169,7 +201,9 @@ Status run_rank(comm::Communicator& comm, const TrainOptions& o, const TextDatas
   const int gas = o.engine.gradient_accumulation_steps;
   ZINF_ASSIGN_OR_RETURN(auto engine,
                         Engine::create(o.engine, comm, engine_units(cfg), make_init(cfg)));
+  if (rank == 0 && on_start) on_start(engine->settings(), engine->budgets());
   Model model(cfg);
+  HostBuffers host_buffers;  // the host copies of the units the model works on
   std::vector<int32_t> tokens(static_cast<size_t>(B) * T), targets(tokens.size());
   StoreStats last_store = engine->store_stats();
   for (int step = 0; step < o.steps; ++step) {
@@ -178,7 +212,7 @@ Status run_rank(comm::Communicator& comm, const TrainOptions& o, const TextDatas
     for (int m = 0; m < gas; ++m) {
       ZINF_RETURN_IF_ERROR(data.sample_batch(o.seed, static_cast<uint64_t>(step) * gas + m, rank, B,
                                              T, tokens.data(), targets.data()));
-      ScopeAdapter scopes(*engine);
+      ScopeAdapter scopes(*engine, host_buffers);
       double loss = 0;
       try {
         loss = model.forward_backward([&](int u) { return scopes.params(u); },
@@ -319,7 +353,8 @@ Status check_train_options(const TrainOptions& o) {
   return Status::ok();
 }
 
-Result<TrainReport> train(const TrainOptions& o, const StepCallback& on_step) {
+Result<TrainReport> train(const TrainOptions& o, const StepCallback& on_step,
+                          const StartCallback& on_start) {
   ZINF_RETURN_IF_ERROR(check_train_options(o));
   ZINF_ASSIGN_OR_RETURN(TextDataset data, TextDataset::load(o.data));
   const int T = o.seq > 0 ? o.seq : o.model.seq;
@@ -331,7 +366,7 @@ Result<TrainReport> train(const TrainOptions& o, const StepCallback& on_step) {
     ZINF_ASSIGN_OR_RETURN(auto comm, comm::make_mpi_communicator());
     shared.memory.resize(comm->world_size());
     shared.report.world = comm->world_size();
-    status.push_back(run_rank(*comm, o, data, shared, on_step));
+    status.push_back(run_rank(*comm, o, data, shared, on_step, on_start));
   } else {
     ZINF_ASSIGN_OR_RETURN(auto group, comm::make_local_group(o.ranks));
     shared.memory.resize(o.ranks);
@@ -339,7 +374,8 @@ Result<TrainReport> train(const TrainOptions& o, const StepCallback& on_step) {
     status.resize(o.ranks);
     std::vector<std::thread> threads;
     for (int r = 0; r < o.ranks; ++r) {
-      threads.emplace_back([&, r] { status[r] = run_rank(*group[r], o, data, shared, on_step); });
+      threads.emplace_back(
+          [&, r] { status[r] = run_rank(*group[r], o, data, shared, on_step, on_start); });
     }
     for (auto& t : threads) t.join();
   }

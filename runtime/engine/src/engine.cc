@@ -8,9 +8,13 @@
 #include <mutex>
 #include <thread>
 
+#include "loss_scaler.h"
+#include "stage_policy.h"
+#include "step_agreement.h"
 #include "zinf/core/log.h"
 #include "zinf/core/trace.h"
 #include "zinf/core/units.h"
+#include "zinf/engine/budgets.h"
 #include "zinf/io/io_engine.h"
 #include "zinf/io/swap_space.h"
 #include "zinf/kernels/cpu_adam.h"
@@ -21,7 +25,7 @@
 namespace zinf {
 namespace {
 
-constexpr uint64_t kUnlimited = uint64_t{1} << 50;
+constexpr uint32_t kStoreMovers = 2;  // the store's mover threads (each has a staging lane)
 constexpr TensorId kNoTensor = ~TensorId{0};
 
 // Waits for the operations enqueued on `stream` so far; their first failure (cleared from the
@@ -88,12 +92,16 @@ class OptimizerWorker {
 struct Engine::Impl {
   EngineSettings s;
   comm::Communicator& comm;
+  engine_detail::StagePolicy policy;  // what the stage partitions (the only reader of s.stage)
   std::vector<zero::UnitSpec> units;
   InitFn init;
   int rank = 0, world = 1;
   bool mixed = false;  // working dtype is not fp32: a separate fp32 master exists
 
   Ledger ledger;
+  Budgets budgets;                   // how device_mem and host_mem were chosen
+  uint64_t staging_total = 0;        // the store's staging buffers, taken from the host budget
+  uint64_t largest_param_bytes = 0;  // this rank's largest parameter tensor (shard or unit)
   std::unique_ptr<io::IoEngine> io;
   std::unique_ptr<io::SwapSpace> swap;
   std::unique_ptr<Device> device;
@@ -185,12 +193,16 @@ struct Engine::Impl {
 
   // Step state.
   int64_t steps = 0;
-  float scale = 1;
-  int good_steps = 0;
-  int hysteresis_left = 0;
   CommReport comm_now;  // counts since the last step
+  engine_detail::LossScaler scaler;
+  engine_detail::StepAgreement agreement;  // counts into comm_now.control_elements
 
-  Impl(const EngineSettings& settings, comm::Communicator& c) : s(settings), comm(c) {}
+  Impl(const EngineSettings& settings, comm::Communicator& c)
+      : s(settings),
+        comm(c),
+        policy(engine_detail::StagePolicy::for_stage(settings.stage)),
+        scaler(settings),
+        agreement(c, comm_now.control_elements) {}
 
   // "rank<r> <what>": this rank's track in a trace.
   std::string track(const char* what) const {
@@ -204,19 +216,8 @@ struct Engine::Impl {
   }
   // Index of flat element `flat` in the unit's parameter tensor.
   uint64_t param_index(const UnitState& u, uint64_t flat) const {
-    return s.stage == 3 ? flat - u.layout.shard_begin(rank) : flat;
+    return policy.param_index(u.layout, rank, flat);
   }
-  // The flat ranges whose optimizer state this rank holds: its shard, or every rank's shard at
-  // stage 0 (kept apart so that a piece never straddles two shards: the norm adds each rank's
-  // shard as that rank would).
-  std::vector<sched::ElementRange> owned_ranges(const zero::ShardLayout& l) const {
-    std::vector<sched::ElementRange> out;
-    for (int r = 0; r < world; ++r) {
-      if (s.stage == 0 || r == rank) out.push_back({l.shard_begin(r), l.shard_end(r)});
-    }
-    return out;
-  }
-
   Result<TensorId> make_tensor(const std::string& name, uint64_t bytes, Tier home,
                                MemoryCategory category) {
     return store->create_tensor(
@@ -228,11 +229,55 @@ struct Engine::Impl {
   // one being read, one updated, one written back).
   uint64_t sub_group_limit() const {
     uint64_t limit = s.sub_group_elements;
-    if (limit == 0 || s.optimizer_home == Tier::kDevice || s.host_mem == 0) return limit;
-    const uint64_t bytes_per_element = (mixed ? 16 : 12) + (s.stage == 3 ? dtype_size(s.dtype) : 0);
-    const uint64_t fit = s.host_mem / (3 * bytes_per_element);
+    if (limit == 0 || s.optimizer_home == Tier::kDevice) return limit;
+    // Per element of a group: fp32 master (mixed), m, v and gradient accumulator. A unit's
+    // parameter tensor is acquired whole for its pieces' updates: two of the largest (the one
+    // being updated, the next read ahead) and the staging buffers come off the budget first.
+    const uint64_t bytes_per_element = mixed ? 16 : 12;
+    const uint64_t reserved = staging_total + 2 * largest_param_bytes;
+    const uint64_t fit = (s.host_mem - std::min(s.host_mem, reserved)) / (3 * bytes_per_element);
     return std::min(limit, std::max(fit / kernels::kSumSquaresBlockElems, uint64_t{1}) *
                                kernels::kSumSquaresBlockElems);
+  }
+
+  // Resolves automatic budgets (device_mem / host_mem 0) into `s` from the model's sizes and the
+  // machine (zinf/engine/budgets.h); explicit ones are kept.
+  Status choose_budgets_for(const std::vector<zero::ShardLayout>& layouts, bool nvme) {
+    const uint64_t wsize = dtype_size(s.dtype);
+    staging_total = nvme ? uint64_t{kStoreMovers + 1} * std::max<uint32_t>(s.staging_buffers, 2) *
+                               s.staging_bytes
+                         : 0;
+    StateSizes z{.staging_bytes = staging_total,
+                 .optimizer_offloaded = s.optimizer_home != Tier::kDevice,
+                 .world = world,
+                 .nvme = nvme,
+                 .params_offloaded = s.param_home != Tier::kDevice};
+    uint64_t opt_bytes = 0;
+    for (const auto& l : layouts) {
+      z.largest_unit_elements = std::max(z.largest_unit_elements, l.numel_padded);
+      z.total_unit_elements += l.numel_padded;
+      const uint64_t params = policy.param_elements(l) * wsize;
+      largest_param_bytes = std::max(largest_param_bytes, params);
+      if (s.param_home == Tier::kDevice) z.device_home_bytes += params;
+      if (s.param_home == Tier::kHost) z.host_home_bytes += params;
+      // fp32 m, v, gradient accumulator (and master when mixed) of the elements this rank owns.
+      opt_bytes += policy.owned_elements(l) * (mixed ? 12 : 8) + policy.accumulator_elements(l) * 4;
+    }
+    const double offloaded = s.optimizer_home == Tier::kDevice ? 0 : s.optimizer_offload_ratio;
+    z.device_home_bytes += static_cast<uint64_t>(static_cast<double>(opt_bytes) * (1 - offloaded));
+    if (s.optimizer_home == Tier::kHost) {
+      z.host_home_bytes += static_cast<uint64_t>(static_cast<double>(opt_bytes) * offloaded);
+    }
+    z.largest_param_bytes = largest_param_bytes;
+    MachineMemory machine{.total_bytes = uint64_t{1} << 40, .available_bytes = uint64_t{1} << 40};
+    if (s.device_mem == 0 || s.host_mem == 0) {
+      ZINF_ASSIGN_OR_RETURN(machine, read_machine_memory());
+    }
+    budgets = choose_budgets(s, z, machine,
+                             ranks_on_this_machine(comm.backend() == comm::Backend::kLocal, world));
+    s.device_mem = budgets.device_bytes;
+    s.host_mem = budgets.host_bytes;
+    return Status::ok();
   }
 
   Status build() {
@@ -242,7 +287,7 @@ struct Engine::Impl {
     if (s.stage < 0 || s.stage > 3) {
       return make_error(ErrorCode::kInvalidArgument, "ZeRO stage must be 0..3, got {}", s.stage);
     }
-    if (s.param_home != Tier::kDevice && s.stage != 3) {
+    if (s.param_home != Tier::kDevice && !policy.sharded_params) {
       return make_error(ErrorCode::kInvalidArgument,
                         "parameter offload needs ZeRO stage 3 (stage is {})", s.stage);
     }
@@ -259,15 +304,25 @@ struct Engine::Impl {
                         "offload_optimizer.ratio must be in (0, 1], got {}",
                         s.optimizer_offload_ratio);
     }
+    const uint64_t wsize = dtype_size(s.dtype);
+    uint64_t total_numel = 0, offloaded_numel = 0;
+    std::vector<zero::ShardLayout> layouts;
+    for (const auto& unit : units) {
+      ZINF_ASSIGN_OR_RETURN(zero::ShardLayout l, zero::make_shard_layout(unit, world, s.dtype));
+      total_numel += l.numel;
+      layouts.push_back(std::move(l));
+    }
+    bool nvme = s.param_home == Tier::kNvme || s.optimizer_home == Tier::kNvme;
+    ZINF_RETURN_IF_ERROR(choose_budgets_for(layouts, nvme));
+
     // Resources of this rank: device, pinned host pool, NVMe swap, the store over them.
     ZINF_ASSIGN_OR_RETURN(const DeviceKind kind, resolve_device_kind(s.device));
-    device = make_cpu_device({.budget_bytes = s.device_mem ? s.device_mem : kUnlimited,
+    device = make_cpu_device({.budget_bytes = s.device_mem,
                               .ledger = &ledger,
                               .strict = kind == DeviceKind::kCpuStrict,
                               .threads = s.optimizer_threads});
     stream = device->create_stream(track("engine"));
     optimizer_stream = device->create_stream(track("optimizer"));
-    bool nvme = s.param_home == Tier::kNvme || s.optimizer_home == Tier::kNvme;
     if (nvme) {
       ZINF_ASSIGN_OR_RETURN(io, io::IoEngine::create({.queue_depth = s.io_queue_depth,
                                                       .block_size = s.io_block_size,
@@ -277,46 +332,29 @@ struct Engine::Impl {
       ZINF_ASSIGN_OR_RETURN(
           swap, io::SwapSpace::create(*io, {.directories = dirs, .checksum = s.checksum}));
     }
-    pool = std::make_unique<PinnedPool>(
-        PinnedPoolOptions{.budget_bytes = s.host_mem ? s.host_mem : kUnlimited,
-                          .pin = s.pin_memory,
-                          .engine = io.get(),
-                          .ledger = &ledger});
+    pool = std::make_unique<PinnedPool>(PinnedPoolOptions{
+        .budget_bytes = s.host_mem, .pin = s.pin_memory, .engine = io.get(), .ledger = &ledger});
     ZINF_ASSIGN_OR_RETURN(store, TieredTensorStore::create({.device = device.get(),
                                                             .host = pool.get(),
                                                             .swap = swap.get(),
                                                             .ledger = &ledger,
                                                             .staging_bytes = s.staging_bytes,
                                                             .staging_buffers = s.staging_buffers,
+                                                            .movers = kStoreMovers,
                                                             .trace_name = track("")}));
-    if (s.static_loss_scale > 0) {
-      scale = s.static_loss_scale;
-    } else if (s.dtype == DType::kF16) {
-      scale = std::ldexp(1.0f, s.initial_scale_power);
-    }
-    hysteresis_left = s.hysteresis;
 
-    const uint64_t wsize = dtype_size(s.dtype);
-    uint64_t total_numel = 0, offloaded_numel = 0;
-    std::vector<zero::ShardLayout> layouts;
-    for (const auto& unit : units) {
-      ZINF_ASSIGN_OR_RETURN(zero::ShardLayout l, zero::make_shard_layout(unit, world, s.dtype));
-      total_numel += l.numel;
-      layouts.push_back(std::move(l));
-    }
-    // The scheduler: its live bound is also held to half the device budget.
+    // The scheduler: its live bound is also held to half the device budget (the same on every
+    // rank: it never depends on memory pressure).
     std::vector<uint64_t> unit_elements;
     for (const auto& l : layouts) unit_elements.push_back(l.numel_padded);
     sched::SchedulerOptions so{.prefetch_elements = s.prefetch_bucket_elements,
                                .max_live_elements = s.max_live_elements,
                                .max_reuse_distance = s.max_reuse_distance};
-    if (s.device_mem > 0) {
-      so.max_live_elements = std::min(so.max_live_elements, s.device_mem / 2 / wsize);
-    }
+    so.max_live_elements = std::min(so.max_live_elements, s.device_mem / 2 / wsize);
     sched = std::make_unique<sched::Scheduler>(so, unit_elements);
     // Optimizer sub-groups over the ranges this rank owns.
     std::vector<std::vector<sched::ElementRange>> owned;
-    for (const auto& l : layouts) owned.push_back(owned_ranges(l));
+    for (const auto& l : layouts) owned.push_back(policy.owned_ranges(l, rank, world));
     const sched::SubGroupPlan plan =
         sched::plan_sub_groups(owned, sub_group_limit(), kernels::kSumSquaresBlockElems);
     groups = plan.groups;
@@ -341,7 +379,7 @@ struct Engine::Impl {
     for (size_t u = 0; u < units.size(); ++u) {
       UnitState st;
       st.layout = layouts[u];
-      st.persistent = s.stage == 3 && st.layout.numel <= s.param_persistence_threshold;
+      st.persistent = policy.sharded_params && st.layout.numel <= s.param_persistence_threshold;
       // Partial offload (DeepSpeed's Twin-Flow `ratio`): the first units, in declaration order,
       // holding about `ratio` of the parameters have their optimizer state offloaded; the others
       // keep it on the device and are updated there.
@@ -351,16 +389,16 @@ struct Engine::Impl {
         st.opt_home = s.optimizer_home;
         offloaded_numel += st.layout.numel;
       }
-      const uint64_t full = st.layout.numel_padded, shard = st.layout.shard_numel;
       const std::string& name = units[u].name;
       ZINF_ASSIGN_OR_RETURN(st.params,
-                            make_tensor(name + ".params", (s.stage == 3 ? shard : full) * wsize,
+                            make_tensor(name + ".params", policy.param_elements(st.layout) * wsize,
                                         s.param_home, MemoryCategory::kParameters));
       // Stage 1 ranks hold full gradients: one accumulator for the unit, shared by its pieces.
       TensorId shared_acc = kNoTensor;
-      if (s.stage == 1) {
-        ZINF_ASSIGN_OR_RETURN(shared_acc, make_tensor(name + ".grad_acc", full * 4, st.opt_home,
-                                                      MemoryCategory::kGradients));
+      if (policy.full_grad_accumulator) {
+        ZINF_ASSIGN_OR_RETURN(
+            shared_acc, make_tensor(name + ".grad_acc", policy.accumulator_elements(st.layout) * 4,
+                                    st.opt_home, MemoryCategory::kGradients));
       }
       std::vector<size_t> mine;
       for (size_t i = 0; i < plan.pieces.size(); ++i) {
@@ -399,17 +437,17 @@ struct Engine::Impl {
         pieces.push_back(p);
       }
       if (st.opt_home != Tier::kDevice) {
-        acc_bytes += (s.stage == 1 ? st.layout.numel_padded : st.layout.shard_numel) * 4;
+        acc_bytes += policy.accumulator_elements(st.layout) * 4;
       }
       unit_states.push_back(std::move(st));
       ZINF_RETURN_IF_ERROR(initialise(u));
     }
     // Per element read ahead: m, v, the fp32 master (mixed) and the stage-3 parameter shard.
-    const uint64_t read_per_element = (mixed ? 12 : 8) + (s.stage == 3 ? wsize : 0);
+    const uint64_t read_per_element = (mixed ? 12 : 8) + (policy.sharded_params ? wsize : 0);
     read_during_backward =
         s.pipeline_read &&
-        (s.host_mem == 0 ||
-         acc_bytes + kGroupsReadDuringBackward * largest_group * read_per_element <= s.host_mem);
+        acc_bytes + kGroupsReadDuringBackward * largest_group * read_per_element + staging_total <=
+            s.host_mem;
     return Status::ok();
   }
 
@@ -417,8 +455,8 @@ struct Engine::Impl {
   Status initialise(size_t u) {
     UnitState& st = unit_states[u];
     const auto& l = st.layout;
-    uint64_t p_begin = s.stage == 3 ? l.shard_begin(rank) : 0;
-    uint64_t p_end = s.stage == 3 ? l.shard_end(rank) : l.numel_padded;
+    const uint64_t p_begin = policy.param_begin(l, rank);
+    const uint64_t p_end = p_begin + policy.param_elements(l);
     // fp32 values of [begin, end) of the unit (zero past numel: the padding).
     auto values = [&](uint64_t begin, uint64_t end) {
       std::vector<float> out(end - begin);
@@ -544,7 +582,7 @@ struct Engine::Impl {
   // After a use: starts the reads and all-gathers the trace says come next. Every rank makes the
   // same decisions (they depend on the trace and sizes only), so all-gathers stay in step.
   Status plan_ahead() {
-    if (s.stage != 3 || !sched->following()) return Status::ok();
+    if (!policy.sharded_params || !sched->following()) return Status::ok();
     const uint64_t base_tick = static_cast<uint64_t>(steps) * sched->trace().size();
     if (s.param_home != Tier::kDevice) {
       for (size_t u : sched->reads_ahead()) {
@@ -578,7 +616,7 @@ struct Engine::Impl {
     // gradients.
     p.final = sched->following() && !sched->next_use(u) && st.scopes == 0;
     if (p.final && worker && can_update_early()) st.final_issued = true;
-    if (s.stage >= 1) {
+    if (!policy.owns_every_shard) {
       ZINF_ASSIGN_OR_RETURN(p.shard,
                             store->allocate_device(l.shard_numel * wsize, MemoryCategory::kBuffers,
                                                    "reduced gradient shard of " + units[u].name));
@@ -589,7 +627,7 @@ struct Engine::Impl {
     if (p.shard) p.windows.push_back(device->comm_window(p.shard.data(), p.shard.bytes()));
     for (uint64_t a = 0; a < l.numel_padded; a += bucket) {
       uint64_t b = std::min(l.numel_padded, a + bucket);
-      if (s.stage == 0) {
+      if (policy.owns_every_shard) {
         p.works.push_back(
             comm.all_reduce(g + a * wsize, g + a * wsize, b - a, s.dtype, comm::ReduceOp::kAvg));
         comm_now.grad_reduce_elements += 2 * (b - a);
@@ -641,7 +679,7 @@ struct Engine::Impl {
         ZINF_ASSIGN_OR_RETURN(acc, store->acquire(piece.acc, compute_tier(st), access));
         acc.mark_dirty();
       }
-      const char* reduced = s.stage == 0
+      const char* reduced = policy.owns_every_shard
                                 ? static_cast<const char*>(p.grads.data()) + piece.begin * wsize
                                 : static_cast<const char*>(p.shard.data()) +
                                       (piece.begin - st.layout.shard_begin(rank)) * wsize;
@@ -698,10 +736,11 @@ struct Engine::Impl {
 
   // Gradients are averaged over ranks by the reduction; here over micro-steps and the loss scale.
   float combined_scale() const {
-    return static_cast<float>(1.0 / (static_cast<double>(s.gradient_accumulation_steps) * scale));
+    return static_cast<float>(
+        1.0 / (static_cast<double>(s.gradient_accumulation_steps) * scaler.scale()));
   }
   bool need_norm() const { return s.gradient_clipping > 0; }
-  bool need_overflow_check() const { return s.dtype == DType::kF16; }
+  bool need_overflow_check() const { return scaler.checks_overflow(); }
   // An update may run before step() only when it needs nothing from the other units' gradients.
   bool can_update_early() const { return !need_norm() && !need_overflow_check(); }
 
@@ -740,15 +779,6 @@ struct Engine::Impl {
       for (double b : blocks) total += b;
     }
     return total;
-  }
-
-  // Everyone's partial sum of squares, in rank order (8 bytes per rank, gathered as raw bits).
-  Result<std::vector<double>> exchange_partials(double partial) {
-    std::vector<double> all(world);
-    comm::Work w = comm.all_gather(&partial, all.data(), sizeof(double) / 4, DType::kF32);
-    comm_now.control_elements += world * sizeof(double) / 4;
-    ZINF_RETURN_IF_ERROR(w.wait());
-    return all;
   }
 
   // Writes the zeros of accumulators that received no gradient this step (before they are read).
@@ -810,24 +840,6 @@ struct Engine::Impl {
     return st;
   }
 
-  // One small all-reduce: how many ranks failed their part of the step.
-  Status agree(Status local) {
-    if (world == 1) return local;
-    float failed = local.is_ok() ? 0.0f : 1.0f, total = 0;
-    comm::Work w = comm.all_reduce(&failed, &total, 1, DType::kF32, comm::ReduceOp::kSum);
-    comm_now.control_elements += 2;
-    Status ws = w.wait();
-    if (!local.is_ok()) return local;
-    if (!ws.is_ok()) return ws;
-    if (total > 0) {
-      return make_error(ErrorCode::kUnavailable,
-                        "the optimizer step failed on {} other rank(s) (their errors name the "
-                        "cause); this rank's update is kept: call step() again to finish it",
-                        static_cast<int>(total));
-    }
-    return Status::ok();
-  }
-
   // The optimizer step; `local` is what already failed on this rank (it then takes part in the
   // collectives without updating anything).
   Status update(StepInfo& info, Status local) {
@@ -841,7 +853,7 @@ struct Engine::Impl {
     double norm_sq = 0;
     bool peer_failed = false;
     if (need_norm() || need_overflow_check()) {
-      if (s.stage == 0) {
+      if (policy.owns_every_shard) {
         // Every rank holds every shard: compute each rank's partial exactly as that rank would.
         for (int r = 0; r < world && local.is_ok(); ++r) {
           auto p = partial_sum_squares(r, combined);
@@ -852,7 +864,7 @@ struct Engine::Impl {
           }
         }
       } else {
-        double mine = -1;  // the sentinel of a rank that could not compute its partial
+        double mine = engine_detail::StepAgreement::kFailed;
         if (local.is_ok()) {
           auto p = partial_sum_squares(rank, combined);
           if (p.is_ok()) {
@@ -861,7 +873,7 @@ struct Engine::Impl {
             local = p.status();
           }
         }
-        ZINF_ASSIGN_OR_RETURN(std::vector<double> all, exchange_partials(mine));
+        ZINF_ASSIGN_OR_RETURN(std::vector<double> all, agreement.exchange_partials(mine));
         for (double p : all) {
           peer_failed |= p < 0;
           norm_sq += p;
@@ -879,16 +891,11 @@ struct Engine::Impl {
       }
       local = update_pieces({.step = steps + 1, .grad_scale = combined * coef}, writeback);
     }
-    ZINF_RETURN_IF_ERROR(agree(std::move(local)));
+    ZINF_RETURN_IF_ERROR(agreement.agree(std::move(local)));
     if (overflow) {
-      // Lower the scale (after `hysteresis` overflows), as DeepSpeed.
       info.skipped = true;
-      if (s.static_loss_scale == 0 && --hysteresis_left <= 0) {
-        scale = std::max(scale / 2, s.min_loss_scale);
-        hysteresis_left = s.hysteresis;
-      }
-      good_steps = 0;
-      info.loss_scale = scale;
+      scaler.on_overflow();
+      info.loss_scale = scaler.scale();
       info.step = steps;
       zero_gradients();
       return writeback;
@@ -897,13 +904,10 @@ struct Engine::Impl {
     ++steps;
     std::fill(updated.begin(), updated.end(), 0);
     zero_gradients();
-    if (s.stage == 1 || s.stage == 2) ZINF_RETURN_IF_ERROR(gather_updated_parameters());
-    if (s.dtype == DType::kF16 && s.static_loss_scale == 0 && ++good_steps >= s.loss_scale_window) {
-      scale *= 2;
-      good_steps = 0;
-    }
+    if (policy.share_updated_params) ZINF_RETURN_IF_ERROR(gather_updated_parameters());
+    scaler.on_good_step();
     info.step = steps;
-    info.loss_scale = scale;
+    info.loss_scale = scaler.scale();
     Status end = finish_evictions();
     return writeback.is_ok() ? end : writeback;
   }
@@ -1071,7 +1075,7 @@ struct Engine::Impl {
       release_offloaded(p.v, st.opt_home, tier);
       if (mixed) release_offloaded(p.master, st.opt_home, tier);
     }
-    if (s.stage == 3 && unit_done) release_offloaded(st.params, s.param_home, tier);
+    if (policy.sharded_params && unit_done) release_offloaded(st.params, s.param_home, tier);
     return Status::ok();
   }
 
@@ -1221,7 +1225,8 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineSettings& settings,
   impl->init = std::move(init);
   ZINF_RETURN_IF_ERROR(impl->build());
   impl->ledger.reset_peaks();
-  return std::unique_ptr<Engine>(new Engine(settings, std::move(impl)));
+  const EngineSettings effective = impl->s;  // with the budgets chosen
+  return std::unique_ptr<Engine>(new Engine(effective, std::move(impl)));
 }
 
 Result<UnitScope> Engine::gather(size_t unit) {
@@ -1236,7 +1241,7 @@ Result<UnitScope> Engine::gather(size_t unit) {
   UnitScope scope;
   scope.unit_ = unit;
   scope.opened_ = trace::Clock::now();
-  if (s.s.stage < 3) {
+  if (!s.policy.sharded_params) {
     ZINF_ASSIGN_OR_RETURN(scope.param_handle_, s.store->acquire(st.params, Tier::kDevice));
     scope.params_ = scope.param_handle_.data();
     ++st.scopes;
@@ -1291,7 +1296,7 @@ Status Engine::end_scope(UnitScope& scope) {
   --st.scopes;
   // Stage 3: the last scope on the unit lets its gathered parameters go, unless the unit is
   // persistent or reused soon.
-  if (s.s.stage == 3 && st.scopes == 0 && !st.persistent && !s.sched->keep(scope.unit_)) {
+  if (s.policy.sharded_params && st.scopes == 0 && !st.persistent && !s.sched->keep(scope.unit_)) {
     s.drop_live(scope.unit_);
   }
   if (!scope.grads_) return Status::ok();
@@ -1313,12 +1318,11 @@ Status Engine::step() {
   return st;
 }
 
-float Engine::loss_scale() const { return impl_->scale; }
+float Engine::loss_scale() const { return impl_->scaler.scale(); }
 
 Device& Engine::device() const { return *impl_->device; }
 Stream& Engine::stream() const { return *impl_->stream; }
-uint64_t Engine::device_budget_bytes() const { return impl_->device->budget_bytes(); }
-uint64_t Engine::host_budget_bytes() const { return impl_->pool->budget_bytes(); }
+const Budgets& Engine::budgets() const { return impl_->budgets; }
 
 StoreStats Engine::store_stats() const { return impl_->store->stats(); }
 

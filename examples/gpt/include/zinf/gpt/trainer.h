@@ -58,13 +58,17 @@ struct TrainReport {
 };
 
 using StepCallback = std::function<void(const StepLog&, int total_steps)>;
+// Called once by rank 0 when its engine is built: the effective settings (automatic budgets
+// resolved) and how the budgets were chosen.
+using StartCallback = std::function<void(const EngineSettings& effective, const Budgets& budgets)>;
 
 // Checks the options before anything is allocated: model shape, data (exists, non-empty, longer
 // than a window), budgets large enough for one unit, NVMe paths with room for the offloaded state.
 Status check_train_options(const TrainOptions& options);
 
 // Trains and returns what rank 0 saw (on other MPI ranks: their own view).
-Result<TrainReport> train(const TrainOptions& options, const StepCallback& on_step = {});
+Result<TrainReport> train(const TrainOptions& options, const StepCallback& on_step = {},
+                          const StartCallback& on_start = {});
 
 // Writes fp32 tensors as a safetensors file (8-byte header length, JSON header, raw data).
 struct NamedTensor {

@@ -43,6 +43,7 @@
 #include "zinf/core/dtype.h"
 #include "zinf/core/status.h"
 #include "zinf/core/tunables.h"
+#include "zinf/engine/budgets.h"
 #include "zinf/kernels/adam_math.h"
 #include "zinf/memory/accounting.h"
 #include "zinf/memory/device.h"
@@ -285,10 +286,11 @@ class Engine {
   size_t unit_count() const;
   const zero::ShardLayout& layout(size_t unit) const;
   const zero::UnitSpec& unit_spec(size_t unit) const;
+  // The effective settings: those given, with automatic budgets (device_mem, host_mem 0)
+  // replaced by the ones chosen.
   const EngineSettings& settings() const { return settings_; }
-  // The budgets and device this rank runs with (EngineSettings' automatic values resolved).
-  uint64_t device_budget_bytes() const;
-  uint64_t host_budget_bytes() const;
+  // The budgets this rank runs with and how they were chosen (zinf/engine/budgets.h).
+  const Budgets& budgets() const;
   // The device the engine computes on, and the stream its operations run on. A model may run its
   // own operations on gathered parameters and gradients there.
   Device& device() const;

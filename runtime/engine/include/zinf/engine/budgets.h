@@ -1,0 +1,74 @@
+// Budgets that fit the machine: what the engine uses when EngineSettings::device_mem or host_mem
+// is 0 (auto). A pure function of the settings, the model's sizes and the machine's memory, so it
+// is tested alone and every rank of a machine computes the same answer.
+//
+// The rule (docs/engine.md, "Budgets"):
+//  - shares: the CPU device takes half of MemAvailable, the host tier a quarter, each split
+//    evenly across the ranks that share this machine;
+//  - with state homed on NVMe the point is to keep RAM small, so device and host together take
+//    at most a quarter of MemAvailable per machine (an eighth each) and never more than the
+//    configuration asks for:
+//      device: at least the state homed there and the unit being worked on (its gathered
+//              parameters, gradient buffer and two reductions in flight, each with a shard-sized
+//              companion); when parameters are offloaded (stage 3) and it fits the share, the
+//              live window on top: max_live_elements of gathered units and their shards;
+//      host:   the staging buffers, plus max_in_cpu parameter elements (offload_param.max_in_cpu)
+//              of cache, at least kHostWorkingFloor, plus whatever state is homed on the host;
+//  - with the optimizer offloaded, the host budget always holds its working set: the staging
+//    buffers, two of the largest parameter tensors and kHostWorkingFloor for sub-groups;
+//  - state homed in a tier always fits there: a budget is never below the bytes homed in it plus
+//    a working margin, even if that exceeds the share (the state has to be somewhere; the
+//    budget then says so in its reason).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "zinf/core/status.h"
+
+namespace zinf {
+
+struct EngineSettings;
+
+struct MachineMemory {
+  uint64_t total_bytes = 0;      // MemTotal
+  uint64_t available_bytes = 0;  // MemAvailable
+};
+// /proc/meminfo; an error naming the file when it cannot be read.
+Result<MachineMemory> read_machine_memory();
+
+// Ranks sharing this machine's memory: the local communicator's world, else the launcher's
+// LOCAL_WORLD_SIZE / OMPI_COMM_WORLD_LOCAL_SIZE / MPI_LOCALNRANKS / SLURM_NTASKS_PER_NODE,
+// else 1.
+int ranks_on_this_machine(bool local_backend, int world_size);
+
+// What the model needs per rank, computed by the engine from its layouts.
+struct StateSizes {
+  uint64_t largest_unit_elements = 0;  // numel_padded of the largest unit
+  uint64_t total_unit_elements = 0;    // sum of numel_padded over units
+  uint64_t device_home_bytes = 0;      // state homed on the device (parameters, optimizer)
+  uint64_t host_home_bytes = 0;        // state homed in host memory
+  uint64_t staging_bytes = 0;          // the store's staging buffers (from the host budget)
+  // This rank's largest parameter tensor (a stage-3 shard, or a whole unit): the CPU optimizer
+  // holds two of them in host memory (one updated, the next read ahead).
+  uint64_t largest_param_bytes = 0;
+  bool optimizer_offloaded = false;  // the optimizer runs on the CPU over host copies
+  int world = 1;                     // data-parallel ranks (shard = unit / world)
+  bool nvme = false;                 // some state is homed on NVMe
+  bool params_offloaded = false;     // parameters homed off the device (stage 3)
+};
+
+struct Budgets {
+  uint64_t device_bytes = 0;
+  uint64_t host_bytes = 0;
+  std::string device_reason;  // one line each: how the number was chosen
+  std::string host_reason;
+};
+
+inline constexpr uint64_t kHostWorkingFloor = 32ull << 20;
+
+// The budgets for `settings` (explicit ones are kept as given).
+Budgets choose_budgets(const EngineSettings& settings, const StateSizes& sizes,
+                       const MachineMemory& machine, int ranks_on_machine);
+
+}  // namespace zinf

@@ -1,0 +1,129 @@
+#include "zinf/engine/budgets.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "zinf/core/units.h"
+#include "zinf/engine/engine.h"
+
+namespace zinf {
+
+Result<MachineMemory> read_machine_memory() {
+  std::ifstream in("/proc/meminfo");
+  if (!in) return make_error(ErrorCode::kIo, "cannot read /proc/meminfo");
+  MachineMemory m;
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream fields(line);
+    std::string key;
+    uint64_t kib = 0;
+    fields >> key >> kib;
+    if (key == "MemTotal:") m.total_bytes = kib << 10;
+    if (key == "MemAvailable:") m.available_bytes = kib << 10;
+  }
+  if (m.total_bytes == 0 || m.available_bytes == 0) {
+    return make_error(ErrorCode::kIo, "/proc/meminfo has no MemTotal or MemAvailable");
+  }
+  return m;
+}
+
+int ranks_on_this_machine(bool local_backend, int world_size) {
+  if (local_backend) return std::max(world_size, 1);
+  for (const char* name : {"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
+                           "SLURM_NTASKS_PER_NODE"}) {
+    const char* v = std::getenv(name);
+    if (v == nullptr) continue;
+    char* end = nullptr;
+    const long n = std::strtol(v, &end, 10);
+    if (end != v && *end == '\0' && n > 0) return static_cast<int>(n);
+  }
+  return 1;
+}
+
+namespace {
+
+std::string mib(uint64_t bytes) { return format_bytes(static_cast<double>(bytes)); }
+
+}  // namespace
+
+Budgets choose_budgets(const EngineSettings& s, const StateSizes& z, const MachineMemory& machine,
+                       int ranks_on_machine) {
+  const uint64_t ranks = static_cast<uint64_t>(std::max(ranks_on_machine, 1));
+  const uint64_t wsize = dtype_size(s.dtype);
+  Budgets b;
+
+  // Device: the CPU device's memory is this machine's RAM.
+  if (s.device_mem > 0) {
+    b.device_bytes = s.device_mem;
+    b.device_reason = "set";
+  } else {
+    const uint64_t share = machine.available_bytes / (z.nvme ? 8 : 2) / ranks;
+    // A step's working set beyond the homed state. At least the unit being worked on: its
+    // gathered parameters, its gradient buffer and up to two reductions in flight, each with a
+    // shard-sized companion (the shard being gathered, the reduced shard). At most, on top, the
+    // gathered units within the live bound and their shards in flight (the scheduler's live
+    // bound is held to half the budget chosen here).
+    const double with_shard = 1.0 + 1.0 / std::max(z.world, 1);
+    const auto bytes = [&](uint64_t elements) {
+      return static_cast<uint64_t>(with_shard * static_cast<double>(elements * wsize));
+    };
+    const uint64_t least = z.device_home_bytes + bytes(4 * z.largest_unit_elements);
+    const uint64_t most = least + bytes(std::min(s.max_live_elements, z.total_unit_elements));
+    if (least > share) {
+      b.device_bytes = least;
+      b.device_reason = fmt::format(
+          "the state homed on the device ({}) and one unit's working set; more than the share "
+          "of MemAvailable ({}): offload parameters or optimizer state to use less",
+          mib(z.device_home_bytes), mib(share));
+    } else if (z.params_offloaded && most <= share) {
+      b.device_bytes = most;
+      b.device_reason = fmt::format(
+          "the live window (stage3_max_live_parameters and 4 of the largest unit) and {} of "
+          "state homed on the device",
+          mib(z.device_home_bytes));
+    } else {
+      b.device_bytes = share;
+      b.device_reason = fmt::format("{} of MemAvailable over {} rank(s) on this machine",
+                                    z.nvme ? "1/8" : "1/2", ranks);
+    }
+  }
+
+  // Host: pinned staging and host-homed state, and with NVMe a bounded cache above it.
+  if (s.host_mem > 0) {
+    b.host_bytes = s.host_mem;
+    b.host_reason = "set";
+  } else {
+    const uint64_t share = machine.available_bytes / (z.nvme ? 8 : 4) / ranks;
+    const uint64_t floor = z.host_home_bytes + z.staging_bytes + kHostWorkingFloor +
+                           (z.optimizer_offloaded ? 2 * z.largest_param_bytes : 0);
+    if (z.nvme) {
+      const uint64_t cache = std::max(s.param_max_in_cpu * wsize, kHostWorkingFloor);
+      const uint64_t asked = floor - kHostWorkingFloor + cache;
+      b.host_bytes = std::max(std::min(share, asked), floor);
+      b.host_reason =
+          asked <= share
+              ? fmt::format(
+                    "staging ({}) and offload_param.max_in_cpu of cache ({}), plus {} of "
+                    "state homed in host memory",
+                    mib(z.staging_bytes), mib(cache), mib(z.host_home_bytes))
+              : fmt::format(
+                    "1/8 of MemAvailable over {} rank(s) on this machine (NVMe offload: "
+                    "RAM is kept small)",
+                    ranks);
+    } else {
+      b.host_bytes = std::max(share, floor);
+      b.host_reason =
+          share >= floor ? fmt::format("1/4 of MemAvailable over {} rank(s) on this machine", ranks)
+                         : fmt::format(
+                               "the state homed in host memory ({}) and staging; more than the "
+                               "share of MemAvailable ({}): offload to NVMe to use less",
+                               mib(z.host_home_bytes), mib(share));
+    }
+  }
+  return b;
+}
+
+}  // namespace zinf

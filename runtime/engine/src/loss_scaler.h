@@ -1,0 +1,61 @@
+// Loss scaling, as DeepSpeed does it for fp16: a fixed scale (static_loss_scale > 0), or a
+// dynamic one that starts at 2^initial_scale_power, is halved (not below min_loss_scale) after
+// `hysteresis` overflowing steps, and doubled after loss_scale_window steps without overflow.
+// bf16 and fp32 use a scale of 1 and never check for overflow.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+
+#include "zinf/engine/engine.h"
+
+namespace zinf::engine_detail {
+
+class LossScaler {
+ public:
+  explicit LossScaler(const EngineSettings& s)
+      : dynamic_(s.dtype == DType::kF16 && s.static_loss_scale == 0),
+        checks_overflow_(s.dtype == DType::kF16),
+        window_(s.loss_scale_window),
+        hysteresis_(s.hysteresis),
+        min_scale_(s.min_loss_scale),
+        hysteresis_left_(s.hysteresis) {
+    if (s.static_loss_scale > 0) {
+      scale_ = s.static_loss_scale;
+    } else if (s.dtype == DType::kF16) {
+      scale_ = std::ldexp(1.0f, s.initial_scale_power);
+    }
+  }
+
+  float scale() const { return scale_; }
+  // Whether a step must look for non-finite gradients first (and skip itself on one).
+  bool checks_overflow() const { return checks_overflow_; }
+
+  // A step skipped for overflow: lower the scale once `hysteresis` overflows have been seen.
+  void on_overflow() {
+    if (dynamic_ && --hysteresis_left_ <= 0) {
+      scale_ = std::max(scale_ / 2, min_scale_);
+      hysteresis_left_ = hysteresis_;
+    }
+    good_steps_ = 0;
+  }
+  // A step committed without overflow: raise the scale after a window of them.
+  void on_good_step() {
+    if (dynamic_ && ++good_steps_ >= window_) {
+      scale_ *= 2;
+      good_steps_ = 0;
+    }
+  }
+
+ private:
+  bool dynamic_;
+  bool checks_overflow_;
+  int window_;
+  int hysteresis_;
+  float min_scale_;
+  float scale_ = 1;
+  int good_steps_ = 0;
+  int hysteresis_left_;
+};
+
+}  // namespace zinf::engine_detail

@@ -1,0 +1,109 @@
+// The automatic budgets (zinf/engine/budgets.h): hand-computed cases of the rule.
+#include "zinf/engine/budgets.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+#include "zinf/engine/engine.h"
+
+namespace zinf {
+namespace {
+
+constexpr uint64_t GiB = 1ull << 30, MiB = 1ull << 20;
+const MachineMemory kBox{.total_bytes = 24 * GiB, .available_bytes = 23 * GiB};
+
+// The 2b preset at stage 3 with parameters and optimizer on NVMe, one rank, no budget flags:
+// device and host together stay within a quarter of MemAvailable.
+TEST(Budgets, NvmeOffloadKeepsRamSmall) {
+  EngineSettings s;
+  s.stage = 3;
+  s.param_home = s.optimizer_home = Tier::kNvme;
+  const StateSizes z{.largest_unit_elements = 80'000'000,
+                     .total_unit_elements = 2'050'000'000,
+                     .staging_bytes = 24 * MiB,
+                     .nvme = true,
+                     .params_offloaded = true};
+  const Budgets b = choose_budgets(s, z, kBox, 1);
+  EXPECT_EQ(b.device_bytes, 23 * GiB / 8);  // the live window (5.3 GB) is more than the share
+  EXPECT_EQ(b.host_bytes, 23 * GiB / 8);    // max_in_cpu (1e9 fp32 = 4 GB) is more than the share
+  EXPECT_LE(b.device_bytes + b.host_bytes, kBox.available_bytes / 4);
+  EXPECT_NE(b.host_reason.find("1/8 of MemAvailable"), std::string::npos) << b.host_reason;
+}
+
+// The memory ladder's last rung: 4 local ranks, max_live 2e7, max_in_cpu 0: the device holds the
+// live window, the host the staging buffers and the working floor.
+TEST(Budgets, LiveWindowAndMaxInCpuBoundTheTiers) {
+  EngineSettings s;
+  s.stage = 3;
+  s.param_home = s.optimizer_home = Tier::kNvme;
+  s.max_live_elements = 20'000'000;
+  s.param_max_in_cpu = 0;
+  const StateSizes z{.largest_unit_elements = 7'100'000,
+                     .total_unit_elements = 86'000'000,
+                     .staging_bytes = 24 * MiB,
+                     .largest_param_bytes = 1'775'000 * 4,
+                     .optimizer_offloaded = true,
+                     .world = 4,
+                     .nvme = true,
+                     .params_offloaded = true};
+  const Budgets b = choose_budgets(s, z, kBox, 4);
+  // 1.25 (a unit and its shard) x (the live bound + 4 of the largest unit) in fp32.
+  EXPECT_EQ(b.device_bytes, static_cast<uint64_t>(1.25 * (20'000'000 + 4 * 7'100'000) * 4));
+  // Staging, the CPU optimizer's two parameter shards and the sub-group floor; no cache.
+  EXPECT_EQ(b.host_bytes, 24 * MiB + 2 * 1'775'000 * 4 + kHostWorkingFloor);
+  EXPECT_NE(b.device_reason.find("live window"), std::string::npos) << b.device_reason;
+}
+
+TEST(Budgets, WithoutOffloadTheDeviceTakesHalfOfWhatIsAvailable) {
+  EngineSettings s;
+  const StateSizes z{
+      .largest_unit_elements = 1000, .total_unit_elements = 10'000, .device_home_bytes = 160'000};
+  const Budgets b = choose_budgets(s, z, kBox, 2);
+  EXPECT_EQ(b.device_bytes, 23 * GiB / 2 / 2);
+  EXPECT_EQ(b.host_bytes, 23 * GiB / 4 / 2);
+}
+
+// State homed in a tier always fits there, with a reason that says it is more than the share.
+TEST(Budgets, HomedStateAlwaysFits) {
+  EngineSettings s;
+  s.optimizer_home = Tier::kHost;
+  const StateSizes z{.largest_unit_elements = 1'000'000,
+                     .total_unit_elements = 4'000'000'000,
+                     .device_home_bytes = 16 * GiB,
+                     .host_home_bytes = 48 * GiB};
+  const Budgets b = choose_budgets(s, z, kBox, 1);
+  EXPECT_EQ(b.device_bytes, 16 * GiB + 2 * 4 * 1'000'000 * 4);  // homed state and one unit
+  EXPECT_GE(b.host_bytes, 48 * GiB);
+  EXPECT_NE(b.host_reason.find("more than the share"), std::string::npos) << b.host_reason;
+  EXPECT_NE(b.device_reason.find("more than the share"), std::string::npos) << b.device_reason;
+}
+
+TEST(Budgets, ExplicitBudgetsAreKept) {
+  EngineSettings s;
+  s.device_mem = 64 * MiB;
+  s.host_mem = 32 * MiB;
+  const Budgets b = choose_budgets(s, StateSizes{.nvme = true}, kBox, 1);
+  EXPECT_EQ(b.device_bytes, 64 * MiB);
+  EXPECT_EQ(b.host_bytes, 32 * MiB);
+}
+
+TEST(Budgets, RanksOnThisMachineComeFromTheLauncher) {
+  EXPECT_EQ(ranks_on_this_machine(true, 4), 4);
+  ::setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "3", 1);
+  EXPECT_EQ(ranks_on_this_machine(false, 8), 3);
+  ::unsetenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+  ::setenv("LOCAL_WORLD_SIZE", "junk", 1);
+  EXPECT_EQ(ranks_on_this_machine(false, 8), 1);
+  ::unsetenv("LOCAL_WORLD_SIZE");
+}
+
+TEST(Budgets, MachineMemoryIsRead) {
+  auto m = read_machine_memory();
+  ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+  EXPECT_GT(m->total_bytes, 0u);
+  EXPECT_LE(m->available_bytes, m->total_bytes);
+}
+
+}  // namespace
+}  // namespace zinf
