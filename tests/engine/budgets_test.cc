@@ -79,6 +79,19 @@ TEST(Budgets, HomedStateAlwaysFits) {
   EXPECT_NE(b.device_reason.find("more than the share"), std::string::npos) << b.device_reason;
 }
 
+// The scheduler's live bound: what fits beside the homed state and the unit being worked on
+// (each gathered element with its share of the shard in flight), never less than one unit.
+TEST(Budgets, TheLiveBoundIsWhatFitsBesideTheWorkingSet) {
+  const StateSizes z{.largest_unit_elements = 1'000'000, .device_home_bytes = 8 * MiB, .world = 4};
+  // Working set: 1.25 x 4 units x 4 bytes = 20 MB; 100 MB - 8 MiB - 20 MB left, 5 bytes each.
+  const uint64_t budget = 100'000'000;
+  EXPECT_EQ(device_working_bytes(z, DType::kF32), 20'000'000u);
+  EXPECT_EQ(live_elements_that_fit(z, DType::kF32, budget), (budget - 8 * MiB - 20'000'000) / 5);
+  EXPECT_EQ(live_elements_that_fit(z, DType::kBF16, budget),
+            (budget - 8 * MiB - 10'000'000) * 2 / 5);
+  EXPECT_EQ(live_elements_that_fit(z, DType::kF32, 10 * MiB), 1'000'000u);  // one unit at least
+}
+
 TEST(Budgets, ExplicitBudgetsAreKept) {
   EngineSettings s;
   s.device_mem = 64 * MiB;

@@ -103,14 +103,18 @@ TEST(Tunables, EntriesAreWellFormed) {
   for (const t::Entry& e : t::kAll) {
     SCOPED_TRACE(std::string(e.name));
     EXPECT_TRUE(names.insert(e.name).second) << "a name twice";
-    if (!e.flag.empty()) EXPECT_TRUE(flags.insert(e.flag).second) << "a flag twice";
+    if (!e.flag.empty()) {
+      EXPECT_TRUE(flags.insert(e.flag).second) << "a flag twice";
+    }
     EXPECT_FALSE(e.doc.empty());
     EXPECT_EQ(t::find(e.name), &e);
     // A key that sets a tunable is acted on, so it is not in the accepted-but-ignored list.
     for (const config::IgnoredKey& k : config::accepted_but_ignored_keys()) {
       EXPECT_THAT(std::string(e.json), ::testing::Not(HasSubstr(std::string(k.path))));
     }
-    if (e.train) EXPECT_NE(*e.train, e.value) << "a train value equal to the default";
+    if (e.train) {
+      EXPECT_NE(*e.train, e.value) << "a train value equal to the default";
+    }
   }
   EXPECT_EQ(t::find("no such setting"), nullptr);
 }

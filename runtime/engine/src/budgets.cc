@@ -47,7 +47,23 @@ namespace {
 
 std::string mib(uint64_t bytes) { return format_bytes(static_cast<double>(bytes)); }
 
+// A gathered element with its share of the shard in flight.
+double with_shard(const StateSizes& z) { return 1.0 + 1.0 / std::max(z.world, 1); }
+
 }  // namespace
+
+uint64_t device_working_bytes(const StateSizes& z, DType dtype) {
+  return static_cast<uint64_t>(
+      with_shard(z) * static_cast<double>(4 * z.largest_unit_elements * dtype_size(dtype)));
+}
+
+uint64_t live_elements_that_fit(const StateSizes& z, DType dtype, uint64_t device_bytes) {
+  const uint64_t used = z.device_home_bytes + device_working_bytes(z, dtype);
+  const uint64_t room = device_bytes > used ? device_bytes - used : 0;
+  const auto fit = static_cast<uint64_t>(static_cast<double>(room) /
+                                         (with_shard(z) * static_cast<double>(dtype_size(dtype))));
+  return std::max(fit, z.largest_unit_elements);
+}
 
 Budgets choose_budgets(const EngineSettings& s, const StateSizes& z, const MachineMemory& machine,
                        int ranks_on_machine) {
@@ -61,17 +77,15 @@ Budgets choose_budgets(const EngineSettings& s, const StateSizes& z, const Machi
     b.device_reason = "set";
   } else {
     const uint64_t share = machine.available_bytes / (z.nvme ? 8 : 2) / ranks;
-    // A step's working set beyond the homed state. At least the unit being worked on: its
-    // gathered parameters, its gradient buffer and up to two reductions in flight, each with a
-    // shard-sized companion (the shard being gathered, the reduced shard). At most, on top, the
-    // gathered units within the live bound and their shards in flight (the scheduler's live
-    // bound is held to half the budget chosen here).
-    const double with_shard = 1.0 + 1.0 / std::max(z.world, 1);
-    const auto bytes = [&](uint64_t elements) {
-      return static_cast<uint64_t>(with_shard * static_cast<double>(elements * wsize));
-    };
-    const uint64_t least = z.device_home_bytes + bytes(4 * z.largest_unit_elements);
-    const uint64_t most = least + bytes(std::min(s.max_live_elements, z.total_unit_elements));
+    // A step's working set beyond the homed state: at least the unit being worked on; at most,
+    // on top, the gathered units within the live bound and their shards in flight (the
+    // scheduler's live bound is then what fits beside the rest: live_elements_that_fit).
+    const uint64_t least = z.device_home_bytes + device_working_bytes(z, s.dtype);
+    const uint64_t most =
+        least +
+        static_cast<uint64_t>(
+            with_shard(z) *
+            static_cast<double>(std::min(s.max_live_elements, z.total_unit_elements) * wsize));
     if (least > share) {
       b.device_bytes = least;
       b.device_reason = fmt::format(

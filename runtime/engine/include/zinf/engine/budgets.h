@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <string>
 
+#include "zinf/core/dtype.h"
 #include "zinf/core/status.h"
 
 namespace zinf {
@@ -66,6 +67,15 @@ struct Budgets {
 };
 
 inline constexpr uint64_t kHostWorkingFloor = 32ull << 20;
+
+// Device bytes of the unit being worked on beyond the homed state: its gathered parameters, its
+// gradient buffer and two reductions in flight, each with a shard-sized companion (the shard
+// being gathered, the reduced shard).
+uint64_t device_working_bytes(const StateSizes& sizes, DType dtype);
+// The most parameter elements the scheduler may keep gathered (in use, fetched ahead, kept) in a
+// device budget: what is left beside the homed state and the working set, each gathered element
+// with its share of the shard in flight; never less than the largest unit.
+uint64_t live_elements_that_fit(const StateSizes& sizes, DType dtype, uint64_t device_bytes);
 
 // The budgets for `settings` (explicit ones are kept as given).
 Budgets choose_budgets(const EngineSettings& settings, const StateSizes& sizes,

@@ -1,0 +1,167 @@
+#include "gatherer.h"
+
+#include "zinf/core/log.h"
+
+namespace zinf::engine_detail {
+
+Status Gatherer::on_use(size_t u) {
+  if (e_.update_incomplete) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "the last step() failed (its gradients are still pending and part of the "
+                      "optimizer state may be updated); call step() again to finish it before "
+                      "using unit {}",
+                      e_.units[u].name);
+  }
+  if (e_.unit_states[u].final_issued) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "unit {} is used again after its optimizer update started in this step "
+                      "(overlap_optimizer needs every step to use the units in the recorded "
+                      "order)",
+                      e_.units[u].name);
+  }
+  const size_t at = e_.sched->position();
+  if (e_.sched->on_use(u) == sched::Use::kDeparted) {
+    log::warn_once("engine:trace",
+                   fmt::format("use {} of the step (unit {}) differs from the recorded order; "
+                               "re-recording it (prefetching resumes after this step; reported "
+                               "once)",
+                               at, e_.units[u].name));
+  }
+  return Status::ok();
+}
+
+Result<void*> Gatherer::begin_use(size_t u, TensorHandle& resident) {
+  UnitState& st = e_.unit_states[u];
+  if (!e_.policy.sharded_params) {
+    ZINF_ASSIGN_OR_RETURN(resident, e_.store->acquire(st.params, Tier::kDevice));
+    ++st.scopes;
+    return resident.data();
+  }
+  if (st.gathered) {
+    ++(st.used_since_gather ? e_.schedule_now.uses_served_kept : e_.schedule_now.uses_served_ahead);
+  } else {
+    ZINF_RETURN_IF_ERROR(start(u).with_context("gathering unit " + e_.units[u].name));
+    ++e_.schedule_now.gathers_on_demand;
+  }
+  ++st.scopes;
+  st.used_since_gather = true;
+  Status ahead = plan_ahead();
+  Status mine = finish(u);
+  if (!ahead.is_ok() || !mine.is_ok()) {
+    end_use(u);
+    return ahead.is_ok() ? mine : ahead;
+  }
+  return st.gathered.data();
+}
+
+void Gatherer::end_use(size_t u) {
+  UnitState& st = e_.unit_states[u];
+  --st.scopes;
+  if (e_.policy.sharded_params && st.scopes == 0 && !st.persistent && !e_.sched->keep(u)) {
+    drop(u);
+  }
+}
+
+Status Gatherer::start(size_t u) {
+  UnitState& st = e_.unit_states[u];
+  const uint64_t wsize = dtype_size(e_.s.dtype);
+  ZINF_ASSIGN_OR_RETURN(TensorHandle shard, e_.store->acquire(st.params, Tier::kDevice));
+  ZINF_ASSIGN_OR_RETURN(
+      DeviceBuffer full,
+      e_.store->allocate_device(st.layout.numel_padded * wsize, MemoryCategory::kParameters,
+                                "gathered parameters of " + e_.units[u].name));
+  st.gather_issued = trace::Clock::now();
+  st.gather_windows.push_back(e_.device->comm_window(shard.data(), st.layout.shard_numel * wsize));
+  st.gather_windows.push_back(e_.device->comm_window(full.data(), full.bytes()));
+  st.gather_work = e_.comm.all_gather(shard.data(), full.data(), st.layout.shard_numel, e_.s.dtype);
+  st.gather_in_flight = true;
+  st.used_since_gather = false;
+  st.gathering_shard = std::move(shard);
+  st.gathered = std::move(full);
+  e_.comm_now.param_gather_elements += st.layout.numel_padded;
+  e_.sched->set_live(u, true);
+  e_.schedule_now.peak_live_elements =
+      std::max(e_.schedule_now.peak_live_elements, e_.sched->live_elements());
+  return Status::ok();
+}
+
+Status Gatherer::finish(size_t u) {
+  UnitState& st = e_.unit_states[u];
+  if (!st.gather_in_flight) return Status::ok();
+  Status ws = st.gather_work.wait();
+  if (trace::enabled()) {
+    trace::complete(e_.track("comm"), "all-gather " + e_.units[u].name, st.gather_issued);
+  }
+  st.gather_in_flight = false;
+  st.gather_work = comm::Work();
+  st.gather_windows.clear();
+  st.gathering_shard.release();
+  e_.release_offloaded(st.params, e_.s.param_home, Tier::kDevice);
+  if (!ws.is_ok()) {
+    drop(u);
+    return std::move(ws).with_context("gathering unit " + e_.units[u].name);
+  }
+  return Status::ok();
+}
+
+void Gatherer::drop(size_t u) {
+  UnitState& st = e_.unit_states[u];
+  if (st.gather_in_flight) {
+    Status ws = finish(u);  // (which drops the unit itself when it failed)
+    if (!ws.is_ok() && e_.sticky.is_ok()) e_.sticky = std::move(ws);
+  }
+  st.gathered.reset();
+  e_.sched->set_live(u, false);
+}
+
+Status Gatherer::plan_ahead() {
+  if (!e_.policy.sharded_params || !e_.sched->following()) return Status::ok();
+  const uint64_t base_tick = static_cast<uint64_t>(e_.steps) * e_.sched->trace().size();
+  if (e_.s.param_home != Tier::kDevice) {
+    for (size_t u : e_.sched->reads_ahead()) {
+      const UnitState& st = e_.unit_states[u];
+      if (auto next = e_.sched->next_use(u)) e_.store->set_next_use(st.params, base_tick + *next);
+      e_.store->prefetch(st.params, Tier::kDevice);
+    }
+  }
+  for (size_t u : e_.sched->gathers_ahead()) {
+    ZINF_RETURN_IF_ERROR(start(u));
+    ++e_.schedule_now.gathers_ahead;
+  }
+  return Status::ok();
+}
+
+void Gatherer::drop_all() {
+  for (size_t u = 0; u < e_.unit_states.size(); ++u) {
+    if (e_.unit_states[u].gathered || e_.unit_states[u].gather_in_flight) drop(u);
+  }
+}
+
+Status Gatherer::share_updated_parameters() {
+  std::vector<TensorHandle> handles;
+  std::vector<Device::CommWindow> windows;
+  std::vector<comm::Work> works;
+  const uint64_t wsize = dtype_size(e_.s.dtype);
+  Status first;
+  for (UnitState& st : e_.unit_states) {
+    auto h = e_.store->acquire(st.params, Tier::kDevice);
+    if (!h.is_ok()) {  // the all-gathers issued so far write into `handles`: let them finish
+      first = h.status();
+      break;
+    }
+    auto* full = static_cast<char*>(h->data());
+    windows.push_back(e_.device->comm_window(full, st.layout.numel_padded * wsize));
+    works.push_back(e_.comm.all_gather(full + st.layout.shard_begin(e_.rank) * wsize, full,
+                                       st.layout.shard_numel, e_.s.dtype));
+    e_.comm_now.param_gather_elements += st.layout.numel_padded;
+    h->mark_dirty();
+    handles.push_back(std::move(h).value());
+  }
+  for (auto& w : works) {
+    Status ws = w.wait();
+    if (first.is_ok() && !ws.is_ok()) first = std::move(ws);
+  }
+  return first;
+}
+
+}  // namespace zinf::engine_detail

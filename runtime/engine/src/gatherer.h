@@ -1,0 +1,46 @@
+// Gathering: each use of a unit (Engine::gather) gets the unit's full parameters on the device.
+//
+//  - Full parameters (stages 0-2): the resident tensor, pinned for the scope.
+//  - Sharded parameters (stage 3): the shards are all-gathered into a transient buffer, on demand
+//    or ahead of the use along the recorded trace (sched::Scheduler), and the unit is kept gathered
+//    while the trace says it is used again soon (or is persistent). Every decision depends on the
+//    trace and the sizes only, so every rank issues the same all-gathers in the same order.
+//  - After a committed step, with StagePolicy::share_updated_params (stages 1-2), every rank's
+//    updated shard is all-gathered into every rank's full parameters.
+// A unit whose all-gather is in flight owns its buffers until the gather completes: drop() and
+// drop_all() wait for it.
+#pragma once
+
+#include "engine_state.h"
+
+namespace zinf::engine_detail {
+
+class Gatherer {
+ public:
+  explicit Gatherer(EngineState& e) : e_(e) {}
+
+  // Records a use of unit u in the trace (a departure re-records it); refuses a use the step
+  // cannot serve (an unfinished step, a unit already updated under overlap_optimizer).
+  Status on_use(size_t u);
+  // The unit's full parameters on the device for a scope, opened on the unit (`resident` pins the
+  // resident tensor when the parameters are not sharded). The next units' reads and all-gathers
+  // are issued before this one's all-gather is waited for.
+  Result<void*> begin_use(size_t u, TensorHandle& resident);
+  // The scope on unit u ended: the last one lets its gathered parameters go unless the unit is
+  // persistent or kept for a use soon.
+  void end_use(size_t u);
+  // Step end: nothing stays gathered (the parameters are about to change).
+  void drop_all();
+  // Stages 1-2 after a committed step: every rank's updated shard to every rank.
+  Status share_updated_parameters();
+
+ private:
+  Status start(size_t u);   // issues u's all-gather into a new buffer: u becomes live
+  Status finish(size_t u);  // waits for u's all-gather (if in flight), lets its shard go
+  void drop(size_t u);      // u is no longer live
+  Status plan_ahead();      // the reads and all-gathers the trace says come next
+
+  EngineState& e_;
+};
+
+}  // namespace zinf::engine_detail

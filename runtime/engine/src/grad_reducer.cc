@@ -1,0 +1,119 @@
+#include "grad_reducer.h"
+
+#include "zinf/kernels/cpu_adam.h"
+
+namespace zinf::engine_detail {
+
+Status GradReducer::issue(size_t u, DeviceBuffer grads) {
+  UnitState& st = e_.unit_states[u];
+  const auto& l = st.layout;
+  const uint64_t wsize = dtype_size(e_.s.dtype);
+  const int world = e_.world, rank = e_.rank;
+  Pending p{.unit = u, .grads = std::move(grads)};
+  // The unit is not used again in this step, so this reduction completes its gradients.
+  p.final = e_.sched->following() && !e_.sched->next_use(u) && st.scopes == 0;
+  if (p.final && optimizer_.updates_early()) st.final_issued = true;
+  if (!e_.policy.owns_every_shard) {
+    ZINF_ASSIGN_OR_RETURN(
+        p.shard, e_.store->allocate_device(l.shard_numel * wsize, MemoryCategory::kBuffers,
+                                           "reduced gradient shard of " + e_.units[u].name));
+  }
+  const uint64_t bucket = std::max<uint64_t>(e_.s.reduce_bucket_elements, 1);
+  auto* g = static_cast<char*>(p.grads.data());
+  p.windows.push_back(e_.device->comm_window(p.grads.data(), p.grads.bytes()));
+  if (p.shard) p.windows.push_back(e_.device->comm_window(p.shard.data(), p.shard.bytes()));
+  for (uint64_t a = 0; a < l.numel_padded; a += bucket) {
+    const uint64_t b = std::min(l.numel_padded, a + bucket);
+    if (e_.policy.owns_every_shard) {
+      p.works.push_back(e_.comm.all_reduce(g + a * wsize, g + a * wsize, b - a, e_.s.dtype,
+                                           comm::ReduceOp::kAvg));
+      e_.comm_now.grad_reduce_elements += 2 * (b - a);
+    } else {
+      std::vector<size_t> counts(world);
+      for (int r = 0; r < world; ++r) {
+        const uint64_t lo = std::max(a, l.shard_begin(r)), hi = std::min(b, l.shard_end(r));
+        counts[r] = hi > lo ? hi - lo : 0;
+      }
+      const uint64_t mine = std::max(a, l.shard_begin(rank));
+      void* recv = static_cast<char*>(p.shard.data()) +
+                   (mine < l.shard_end(rank) ? mine - l.shard_begin(rank) : 0) * wsize;
+      p.works.push_back(
+          e_.comm.reduce_scatter_v(g + a * wsize, recv, counts, e_.s.dtype, comm::ReduceOp::kAvg));
+      e_.comm_now.grad_reduce_elements += b - a;
+    }
+  }
+  pending_.push_back(std::move(p));
+  if (!e_.s.overlap_comm) return drain();
+  while (pending_.size() > 2) ZINF_RETURN_IF_ERROR(finish_front());
+  return Status::ok();
+}
+
+Status GradReducer::drain() {
+  while (!pending_.empty()) ZINF_RETURN_IF_ERROR(finish_front());
+  return Status::ok();
+}
+
+void GradReducer::abandon() {
+  for (auto& p : pending_) {
+    for (auto& w : p.works) (void)w.wait();
+  }
+  pending_.clear();
+}
+
+Status GradReducer::finish_front() {
+  Pending p = std::move(pending_.front());
+  pending_.pop_front();
+  trace::Span span(e_.track("comm"), "reduce " + e_.units[p.unit].name);
+  Status first;
+  for (auto& w : p.works) {
+    Status ws = w.wait();
+    if (first.is_ok() && !ws.is_ok()) first = std::move(ws);
+  }
+  if (!first.is_ok()) {
+    return std::move(first).with_context(
+        fmt::format("reducing the gradients of unit {}", e_.units[p.unit].name));
+  }
+  p.windows.clear();
+  UnitState& st = e_.unit_states[p.unit];
+  // The first micro-step overwrites the (lazily zero) accumulators without fetching them; with a
+  // full accumulator the bytes outside this rank's range are then unspecified, and never read.
+  const Access access = st.acc_zero ? Access::kOverwrite : Access::kRead;
+  const uint64_t wsize = dtype_size(e_.s.dtype);
+  TensorHandle acc;  // consecutive pieces may share one accumulator
+  for (size_t pi : st.pieces) {
+    const PieceState& piece = e_.pieces[pi];
+    if (!acc || acc.id() != piece.acc) {
+      acc.release();
+      ZINF_ASSIGN_OR_RETURN(acc,
+                            e_.store->acquire(piece.acc, EngineState::compute_tier(st), access));
+      acc.mark_dirty();
+    }
+    const char* reduced = e_.policy.owns_every_shard
+                              ? static_cast<const char*>(p.grads.data()) + piece.begin * wsize
+                              : static_cast<const char*>(p.shard.data()) +
+                                    (piece.begin - st.layout.shard_begin(e_.rank)) * wsize;
+    ZINF_RETURN_IF_ERROR(accumulate_into(acc, piece.begin - piece.acc_base, reduced,
+                                         piece.end - piece.begin, /*overwrite=*/st.acc_zero));
+  }
+  acc.release();
+  st.acc_zero = false;
+  if (p.final) optimizer_.on_grads_final(p.unit);
+  return Status::ok();
+}
+
+Status GradReducer::accumulate_into(const TensorHandle& acc, uint64_t offset, const void* src,
+                                    uint64_t n, bool overwrite) {
+  float* dst = static_cast<float*>(acc.data()) + offset;
+  if (acc.tier() == Tier::kDevice) {
+    e_.device->accumulate({.data = dst, .dtype = DType::kF32, .numel = n}, {src, e_.s.dtype, n},
+                          overwrite, *e_.stream);
+    return sync(*e_.stream);
+  }
+  host_scratch_.resize(n * dtype_size(e_.s.dtype));
+  e_.device->copy_async(host_scratch_.data(), src, host_scratch_.size(), *e_.stream);
+  ZINF_RETURN_IF_ERROR(sync(*e_.stream));
+  kernels::accumulate(dst, host_scratch_.data(), e_.s.dtype, n, overwrite, e_.s.optimizer_threads);
+  return Status::ok();
+}
+
+}  // namespace zinf::engine_detail

@@ -1,0 +1,50 @@
+// Gradient reduction: when a scope with gradients ends, the unit's gradient buffer is averaged
+// over ranks — all-reduced when every rank owns every shard, reduce-scattered into this rank's
+// shard otherwise — in buckets of reduce_bucket_size elements, asynchronously. When a reduction
+// completes, its result is added in fp32 into the accumulators of this rank's pieces, in issue
+// order (micro-steps add in order, so the bits never depend on timing): a device operation for
+// accumulators on the device, the CPU kernel after a copy down for offloaded ones. With
+// overlap_comm at most two reductions stay in flight; without, each completes before the scope's
+// end returns. The unit's last reduction of the step (the trace says it is not used again) tells
+// the optimizer pipeline that its gradients are final. A reduction's buffers belong to the
+// communicator until its works complete: abandon() waits for them.
+#pragma once
+
+#include <deque>
+#include <vector>
+
+#include "engine_state.h"
+#include "optimizer_pipeline.h"
+
+namespace zinf::engine_detail {
+
+class GradReducer {
+ public:
+  GradReducer(EngineState& e, OptimizerPipeline& optimizer) : e_(e), optimizer_(optimizer) {}
+
+  Status issue(size_t u, DeviceBuffer grads);
+  // Completes every reduction in flight (accumulating each); the first failure.
+  Status drain();
+  // After a failure: waits for what is still in flight and drops it unaccumulated.
+  void abandon();
+
+ private:
+  struct Pending {
+    size_t unit;
+    DeviceBuffer grads;  // the full gradient buffer (reduced in place by an all-reduce)
+    DeviceBuffer shard;  // reduce-scatter: this rank's reduced part
+    std::vector<comm::Work> works;
+    std::vector<Device::CommWindow> windows;  // the reductions' reach into grads and shard
+    bool final = false;                       // the unit's last gradient of the step
+  };
+  Status finish_front();
+  Status accumulate_into(const TensorHandle& acc, uint64_t offset, const void* src, uint64_t n,
+                         bool overwrite);
+
+  EngineState& e_;
+  OptimizerPipeline& optimizer_;
+  std::deque<Pending> pending_;
+  std::vector<char> host_scratch_;  // reduced gradients on their way to a host-tier accumulator
+};
+
+}  // namespace zinf::engine_detail

@@ -1,0 +1,355 @@
+#include "optimizer_pipeline.h"
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <thread>
+
+#include "zinf/core/log.h"
+#include "zinf/kernels/cpu_adam.h"
+
+namespace zinf::engine_detail {
+
+// Runs optimizer updates on one thread of its own, in submission order (overlap_optimizer).
+class OptimizerWorker {
+ public:
+  OptimizerWorker() : thread_([this] { run(); }) {}
+  ~OptimizerWorker() {
+    {
+      std::lock_guard lk(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void submit(std::function<Status()> job) {
+    {
+      std::lock_guard lk(mu_);
+      jobs_.push_back(std::move(job));
+    }
+    cv_.notify_all();
+  }
+  // Waits until every submitted job has run; the first failure since the last wait.
+  Status wait() {
+    std::unique_lock lk(mu_);
+    idle_cv_.wait(lk, [&] { return jobs_.empty() && !busy_; });
+    return std::exchange(first_error_, Status());
+  }
+
+ private:
+  void run() {
+    std::unique_lock lk(mu_);
+    for (;;) {
+      cv_.wait(lk, [&] { return stop_ || !jobs_.empty(); });
+      if (jobs_.empty()) return;  // stopping, nothing left
+      auto job = std::move(jobs_.front());
+      jobs_.pop_front();
+      busy_ = true;
+      lk.unlock();
+      Status st = job();
+      lk.lock();
+      busy_ = false;
+      if (!st.is_ok() && first_error_.is_ok()) first_error_ = std::move(st);
+      if (jobs_.empty()) idle_cv_.notify_all();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable cv_, idle_cv_;
+  std::deque<std::function<Status()>> jobs_;
+  bool busy_ = false, stop_ = false;
+  Status first_error_;
+  std::thread thread_;
+};
+
+OptimizerPipeline::OptimizerPipeline(EngineState& e, const LossScaler& scaler)
+    : e_(e), scaler_(scaler) {
+  if (e_.s.overlap_optimizer) {
+    worker_ = std::make_unique<OptimizerWorker>();
+    if (!updates_early()) {
+      log::warn_once("engine:overlap-optimizer",
+                     "overlap_optimizer has no effect with gradient clipping or fp16: the "
+                     "update needs every gradient (the global norm, the overflow check) first");
+    }
+  }
+}
+
+OptimizerPipeline::~OptimizerPipeline() = default;
+
+uint64_t OptimizerPipeline::sub_group_limit() const {
+  const uint64_t limit = e_.s.sub_group_elements;
+  if (limit == 0 || e_.s.optimizer_home == Tier::kDevice) return limit;
+  // Per element of a group: fp32 master (mixed), m, v and gradient accumulator. A unit's
+  // parameter tensor is acquired whole for its pieces' updates: two of the largest (the one being
+  // updated, the next read ahead) and the staging buffers come off the budget first.
+  const uint64_t bytes_per_element = e_.mixed ? 16 : 12;
+  const uint64_t reserved = e_.staging_total + 2 * e_.largest_param_bytes;
+  const uint64_t fit =
+      (e_.s.host_mem - std::min(e_.s.host_mem, reserved)) / (3 * bytes_per_element);
+  return std::min(limit, std::max(fit / kernels::kSumSquaresBlockElems, uint64_t{1}) *
+                             kernels::kSumSquaresBlockElems);
+}
+
+void OptimizerPipeline::set_plan(const sched::SubGroupPlan& plan, uint64_t accumulator_bytes) {
+  groups_ = plan.groups;
+  updated_.assign(plan.pieces.size(), 0);
+  walk_.clear();
+  for (size_t g = 0; g < groups_.size(); ++g) walk_.push_back(g);
+  uint64_t largest_group = 0;  // elements
+  for (const auto& g : groups_) {
+    uint64_t n = 0;
+    for (size_t pi : g) n += plan.pieces[pi].range.size();
+    largest_group = std::max(largest_group, n);
+  }
+  // Per element read ahead: m, v, the fp32 master (mixed) and the sharded parameters.
+  const uint64_t read_per_element =
+      (e_.mixed ? 12 : 8) + (e_.policy.sharded_params ? dtype_size(e_.s.dtype) : 0);
+  read_during_backward_ =
+      e_.s.pipeline_read && accumulator_bytes +
+                                    kGroupsReadDuringBackward * largest_group * read_per_element +
+                                    e_.staging_total <=
+                                e_.s.host_mem;
+}
+
+float OptimizerPipeline::combined_scale() const {
+  return static_cast<float>(
+      1.0 / (static_cast<double>(e_.s.gradient_accumulation_steps) * scaler_.scale()));
+}
+
+bool OptimizerPipeline::updates_early() const {
+  return e_.s.overlap_optimizer && e_.s.gradient_clipping <= 0 && !scaler_.checks_overflow();
+}
+
+void OptimizerPipeline::on_grads_final(size_t u) {
+  UnitState& st = e_.unit_states[u];
+  st.grads_final = true;
+  if (st.final_issued) {
+    start_early_update(u);
+  } else if (read_during_backward_) {
+    read_ahead();
+  }
+}
+
+Status OptimizerPipeline::wait_early() { return worker_ ? worker_->wait() : Status::ok(); }
+
+size_t OptimizerPipeline::take_units_updated_early() { return std::exchange(updated_early_, 0); }
+
+void OptimizerPipeline::plan_walk() {
+  walk_prefetched_ = 0;
+  for (UnitState& st : e_.unit_states) st.grads_final = false;
+  if (!e_.sched->following()) return;  // keep the order of the last recorded trace
+  const auto& trace = e_.sched->trace();
+  // A unit the trace never uses gets no final gradient in a step: its groups go last.
+  std::vector<size_t> last_use(e_.unit_states.size(), trace.size());
+  for (size_t i = 0; i < trace.size(); ++i) last_use[trace[i]] = i;
+  std::vector<size_t> ready(groups_.size(), 0);
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    for (size_t pi : groups_[g]) ready[g] = std::max(ready[g], last_use[e_.pieces[pi].unit]);
+  }
+  std::stable_sort(walk_.begin(), walk_.end(),
+                   [&](size_t a, size_t b) { return ready[a] < ready[b]; });
+}
+
+Status OptimizerPipeline::zero(const TensorHandle& h) {
+  if (h.tier() == Tier::kDevice) {
+    e_.device->fill({.data = h.data(), .dtype = DType::kF32, .numel = h.bytes() / 4}, 0.0f,
+                    *e_.stream);
+    return sync(*e_.stream);
+  }
+  std::memset(h.data(), 0, h.bytes());
+  return Status::ok();
+}
+
+Status OptimizerPipeline::zero_untouched_accumulators() {
+  for (UnitState& st : e_.unit_states) {
+    if (!st.acc_zero) continue;
+    for (size_t pi : st.pieces) {
+      const PieceState& p = e_.pieces[pi];
+      if (!p.owns_acc && pi != st.pieces.front()) continue;  // a shared one: once
+      ZINF_ASSIGN_OR_RETURN(
+          TensorHandle acc,
+          e_.store->acquire(p.acc, EngineState::compute_tier(st), Access::kOverwrite));
+      ZINF_RETURN_IF_ERROR(zero(acc));
+      acc.mark_dirty();
+    }
+    st.acc_zero = false;
+  }
+  return Status::ok();
+}
+
+Result<double> OptimizerPipeline::partial_sum_squares(int range_rank, float scale_factor) {
+  std::vector<size_t> selected;
+  for (const UnitState& st : e_.unit_states) {
+    const uint64_t lo = st.layout.shard_begin(range_rank), hi = st.layout.shard_end(range_rank);
+    for (size_t pi : st.pieces) {
+      if (e_.pieces[pi].begin >= lo && e_.pieces[pi].end <= hi) selected.push_back(pi);
+    }
+  }
+  double total = 0;
+  std::vector<double> blocks;
+  for (size_t i = 0; i < selected.size(); ++i) {
+    if (i + 1 < selected.size()) {  // read the next accumulator while this one is summed
+      const PieceState& next = e_.pieces[selected[i + 1]];
+      e_.store->prefetch(next.acc, EngineState::compute_tier(e_.unit_states[next.unit]));
+    }
+    const PieceState& p = e_.pieces[selected[i]];
+    ZINF_ASSIGN_OR_RETURN(
+        TensorHandle acc,
+        e_.store->acquire(p.acc, EngineState::compute_tier(e_.unit_states[p.unit])));
+    const uint64_t n = p.end - p.begin;
+    blocks.resize(kernels::sum_squares_block_count(n));
+    const float* grads = static_cast<const float*>(acc.data()) + (p.begin - p.acc_base);
+    if (acc.tier() == Tier::kDevice) {
+      e_.device->sum_squares_blocks({grads, DType::kF32, n}, scale_factor, blocks.data(),
+                                    *e_.stream);
+      ZINF_RETURN_IF_ERROR(sync(*e_.stream));
+    } else {
+      kernels::grad_sum_squares_blocks(grads, DType::kF32, n, scale_factor, blocks.data(),
+                                       e_.s.optimizer_threads);
+    }
+    for (double b : blocks) total += b;
+  }
+  return total;
+}
+
+Status OptimizerPipeline::update(const kernels::AdamStepArgs& args, Status& writeback) {
+  std::vector<std::vector<size_t>> todo;
+  for (size_t g : walk_) {
+    todo.emplace_back();
+    for (size_t pi : groups_[g]) {
+      if (!updated_[pi]) todo.back().push_back(pi);
+    }
+    if (todo.back().empty()) todo.pop_back();
+  }
+  if (!todo.empty() && e_.s.pipeline_read) prefetch_pieces(todo[0]);
+  for (size_t g = 0; g < todo.size(); ++g) {
+    if (g + 1 < todo.size() && e_.s.pipeline_read) prefetch_pieces(todo[g + 1]);
+    for (size_t pi : todo[g]) ZINF_RETURN_IF_ERROR(update_piece(pi, args));
+    if (!e_.s.pipeline_write) {
+      Status wb = e_.finish_evictions();
+      if (writeback.is_ok()) writeback = std::move(wb);
+    }
+  }
+  return Status::ok();
+}
+
+void OptimizerPipeline::commit() {
+  std::fill(updated_.begin(), updated_.end(), 0);
+  discard();
+}
+
+// After a step the accumulators are zero; the bytes are written only when needed.
+void OptimizerPipeline::discard() {
+  for (UnitState& st : e_.unit_states) st.acc_zero = true;
+}
+
+void OptimizerPipeline::read_ahead() {
+  while (walk_prefetched_ < std::min(kGroupsReadDuringBackward, walk_.size())) {
+    const auto& group = groups_[walk_[walk_prefetched_]];
+    for (size_t pi : group) {
+      if (!e_.unit_states[e_.pieces[pi].unit].grads_final) return;
+    }
+    prefetch_pieces(group);
+    ++walk_prefetched_;
+  }
+}
+
+// A group holding pieces of u and of other units is then updated partly early and partly in
+// step(), which skips what was done.
+void OptimizerPipeline::start_early_update(size_t u) {
+  ++updated_early_;
+  const kernels::AdamStepArgs args{.step = e_.steps + 1, .grad_scale = combined_scale()};
+  std::vector<size_t> mine = e_.unit_states[u].pieces;
+  worker_->submit([this, mine, args]() -> Status {
+    for (size_t k = 0; k < mine.size(); ++k) {
+      if (e_.s.pipeline_read) {  // this piece (the first time) and the next one
+        if (k == 0) prefetch_piece(mine[0]);
+        if (k + 1 < mine.size()) prefetch_piece(mine[k + 1]);
+      }
+      ZINF_RETURN_IF_ERROR(update_piece(mine[k], args));
+    }
+    return Status::ok();
+  });
+}
+
+// Adam over one piece: its state and the unit's parameters where the update runs.
+Status OptimizerPipeline::update_piece(size_t pi, const kernels::AdamStepArgs& args) {
+  const PieceState& p = e_.pieces[pi];
+  UnitState& st = e_.unit_states[p.unit];
+  const Tier tier = EngineState::compute_tier(st);
+  const bool mixed = e_.mixed;
+  ZINF_ASSIGN_OR_RETURN(TensorHandle params, e_.store->acquire(st.params, tier));
+  TensorHandle master;
+  if (mixed) {
+    ZINF_ASSIGN_OR_RETURN(master, e_.store->acquire(p.master, tier));
+  }
+  ZINF_ASSIGN_OR_RETURN(TensorHandle m, e_.store->acquire(p.m, tier));
+  ZINF_ASSIGN_OR_RETURN(TensorHandle v, e_.store->acquire(p.v, tier));
+  ZINF_ASSIGN_OR_RETURN(TensorHandle acc, e_.store->acquire(p.acc, tier));
+  const uint64_t wsize = dtype_size(e_.s.dtype);
+  {
+    trace::Span span(e_.track("cpu adam"), "adam " + e_.units[p.unit].name);
+    for (const zero::Segment& seg : zero::segments(st.layout, p.begin, p.end)) {
+      kernels::AdamConfig cfg = e_.s.adam;
+      if (!seg.weight_decay) cfg.weight_decay = 0;
+      const uint64_t si = seg.begin - p.begin, pidx = e_.param_index(st, seg.begin);
+      kernels::AdamTensors t{
+          .param = mixed ? static_cast<float*>(master.data()) + si
+                         : static_cast<float*>(params.data()) + pidx,
+          .m = static_cast<float*>(m.data()) + si,
+          .v = static_cast<float*>(v.data()) + si,
+          .grad = static_cast<const float*>(acc.data()) + (seg.begin - p.acc_base),
+          .grad_dtype = DType::kF32,
+          .param_copy = mixed ? static_cast<char*>(params.data()) + pidx * wsize : nullptr,
+          .copy_dtype = e_.s.dtype,
+          .n = seg.end - seg.begin};
+      if (tier == Tier::kDevice) {
+        e_.device->adam(cfg, args, t, *e_.optimizer_stream);
+      } else {  // ZeRO-Offload: CPU Adam on host-resident state
+        kernels::adam_step(cfg, args, t, e_.s.optimizer_threads);
+      }
+    }
+    if (tier == Tier::kDevice) ZINF_RETURN_IF_ERROR(sync(*e_.optimizer_stream));
+  }
+  params.mark_dirty();
+  if (mixed) master.mark_dirty();
+  m.mark_dirty();
+  v.mark_dirty();
+  params.release();
+  master.release();
+  m.release();
+  v.release();
+  acc.release();
+  updated_[pi] = 1;
+  // What the unit's pieces share (its parameters, a full accumulator) goes once all of them are
+  // done: the walk may visit a unit's pieces out of order.
+  const bool unit_done =
+      std::all_of(st.pieces.begin(), st.pieces.end(), [&](size_t q) { return updated_[q]; });
+  if (tier != Tier::kDevice) {
+    if (p.owns_acc || unit_done) e_.release_offloaded(p.acc, st.opt_home, tier);
+    e_.release_offloaded(p.m, st.opt_home, tier);
+    e_.release_offloaded(p.v, st.opt_home, tier);
+    if (mixed) e_.release_offloaded(p.master, st.opt_home, tier);
+  }
+  if (e_.policy.sharded_params && unit_done) {
+    e_.release_offloaded(st.params, e_.s.param_home, tier);
+  }
+  return Status::ok();
+}
+
+// Starts bringing a piece's optimizer state (and its unit's parameters) to where the update runs.
+void OptimizerPipeline::prefetch_piece(size_t pi) {
+  const PieceState& p = e_.pieces[pi];
+  const UnitState& st = e_.unit_states[p.unit];
+  const Tier tier = EngineState::compute_tier(st);
+  for (TensorId id : {p.m, p.v, p.master, st.params, p.acc}) {
+    if (id != kNoTensor) e_.store->prefetch(id, tier);
+  }
+}
+
+void OptimizerPipeline::prefetch_pieces(const std::vector<size_t>& which) {
+  for (size_t pi : which) prefetch_piece(pi);
+}
+
+}  // namespace zinf::engine_detail

@@ -1,0 +1,92 @@
+// The optimizer pipeline: this rank's optimizer state, cut into pieces and packed into sub-groups
+// (sched::plan_sub_groups), updated where it lives — device operations for state on the device,
+// CPU Adam for state offloaded to host memory or NVMe (ZeRO-Offload).
+//
+//  - step() walks the groups in the order their gradients become final in the recorded trace
+//    (the backward order): with pipeline_read the reads of group g+1 are in flight while g is
+//    updated, with pipeline_write g's write-back while g+1 is updated; and the first groups are
+//    read during the backward pass when they fit beside the accumulators.
+//  - overlap_optimizer (when nothing needs every gradient first: no clipping, no overflow check):
+//    a unit's update runs on a worker thread as soon as its gradients are final.
+//  - A piece is updated once per step: `updated` remembers what is done, so a step() that failed
+//    half-way (on this rank or another) is finished by the next step() without repeating work;
+//    commit() clears it when every rank has agreed.
+//  - The norm: partial_sum_squares() adds fixed 1024-element block sums left to right in unit
+//    order, so the result does not depend on how the state is cut.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "engine_state.h"
+#include "loss_scaler.h"
+#include "zinf/sched/sub_groups.h"
+
+namespace zinf::engine_detail {
+
+class OptimizerWorker;
+
+class OptimizerPipeline {
+ public:
+  OptimizerPipeline(EngineState& e, const LossScaler& scaler);
+  ~OptimizerPipeline();
+
+  // The sub-group size in elements: sub_group_size, and with the optimizer offloaded at most a
+  // third of what the host budget holds beside the staging buffers and two parameter tensors
+  // (three groups are in flight: one read, one updated, one written back).
+  uint64_t sub_group_limit() const;
+  // Adopts the plan (pieces already in e.pieces, in plan order). `accumulator_bytes`: the
+  // offloaded accumulators the backward pass fills (for the read-during-backward fit).
+  void set_plan(const sched::SubGroupPlan& plan, uint64_t accumulator_bytes);
+
+  // Gradients are averaged over ranks by the reduction; here over micro-steps and the loss scale.
+  float combined_scale() const;
+  // Whether a unit's update may start during the backward pass (overlap_optimizer, and nothing
+  // needs every gradient first).
+  bool updates_early() const;
+  // The unit's last reduction of the step completed: start its update (overlap_optimizer) or
+  // read the next groups' state ahead.
+  void on_grads_final(size_t u);
+  // Waits for the updates started early; the first failure. How many units were started.
+  Status wait_early();
+  size_t take_units_updated_early();
+
+  // Orders the walk by when each group's gradients become final in the recorded trace.
+  void plan_walk();
+  // Writes the zeros of accumulators that received no gradient this step (before they are read).
+  Status zero_untouched_accumulators();
+  Result<double> partial_sum_squares(int range_rank, float scale_factor);
+  // Updates every piece not yet updated in this step; `writeback` receives the first write-back
+  // failure (the data stays valid in memory: the step goes on).
+  Status update(const kernels::AdamStepArgs& args, Status& writeback);
+  // The step is committed on every rank: the next starts from zero gradients, nothing updated.
+  void commit();
+  // The step is skipped (fp16 overflow): its gradients are dropped.
+  void discard();
+  size_t sub_groups() const { return groups_.size(); }
+
+ private:
+  Status update_piece(size_t pi, const kernels::AdamStepArgs& args);
+  void prefetch_piece(size_t pi);
+  void prefetch_pieces(const std::vector<size_t>& which);
+  void read_ahead();
+  void start_early_update(size_t u);
+  Status zero(const TensorHandle& h);
+
+  EngineState& e_;
+  const LossScaler& scaler_;
+  std::vector<std::vector<size_t>> groups_;  // sub-groups of pieces, in declaration order
+  std::vector<size_t> walk_;                 // the order step() walks the groups in
+  size_t walk_prefetched_ = 0;  // groups of walk_ whose state was read ahead during backward
+  static constexpr size_t kGroupsReadDuringBackward = 2;
+  // Whether those reads fit beside the accumulators the backward pass fills: when they do not,
+  // the host budget would evict the (clean) state just read, and it would be read twice.
+  bool read_during_backward_ = false;
+  // Pieces whose update of the step being made is done. The worker marks the pieces it updates;
+  // nothing else touches those entries until wait_early().
+  std::vector<uint8_t> updated_;
+  std::unique_ptr<OptimizerWorker> worker_;  // overlap_optimizer only
+  size_t updated_early_ = 0;                 // units handed to the worker in this step
+};
+
+}  // namespace zinf::engine_detail
