@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # The ZeRO-Infinity promise on this machine: train a model whose fp32 training state (parameters,
-# gradients, Adam m and v: 16 bytes per parameter) is larger than the machine's RAM, with device
-# and host budgets of a few GiB, for two steps. Prints the state size, the peak resident memory
-# of the process, and the NVMe traffic per step against the ZeRO-Infinity arithmetic.
+# gradients, Adam m and v: 16 bytes per parameter) is larger than the machine's RAM, for two
+# steps, with the budgets the engine chooses (none given: docs/engine.md, Budgets) or BUDGET for
+# both. Prints the state size, the budgets, the peak resident memory of the process, and the NVMe
+# traffic per step against the ZeRO-Infinity arithmetic.
 #
-#   bench/beyond_ram.sh [NVME_DIR] [PRESET]        (env: ZINF=build/cli/zinf, BUDGET=3G, SEQ=32)
+#   bench/beyond_ram.sh [NVME_DIR] [PRESET]        (env: ZINF=build/cli/zinf, BUDGET=, SEQ=32)
 set -euo pipefail
 DIR=${1:-.zinf/beyond}
 PRESET=${2:-2b}
 ZINF=${ZINF:-build/cli/zinf}
-BUDGET=${BUDGET:-3G}
+BUDGET=${BUDGET:-}
+BUDGET_FLAGS=()
+[ -n "$BUDGET" ] && BUDGET_FLAGS=(--device-mem "$BUDGET" --host-mem "$BUDGET")
 SEQ=${SEQ:-32}
 [ -x "$ZINF" ] || { echo "$ZINF not found: build first (make build)" >&2; exit 1; }
 mkdir -p "$DIR"
@@ -25,13 +28,15 @@ if [ "$state" -le "$ram" ]; then
 fi
 
 "$ZINF" train --model "$PRESET" --ranks 1 --stage 3 --offload-param nvme --offload-optimizer nvme \
-  --nvme-path "$DIR" --device-mem "$BUDGET" --host-mem "$BUDGET" --batch 1 --seq "$SEQ" \
+  --nvme-path "$DIR" "${BUDGET_FLAGS[@]}" --batch 1 --seq "$SEQ" \
   --steps 2 --lr 1e-5 --log-json "$LOG"
 
 python3 - "$LOG" "$state" "$params" <<'PY'
 import json, sys
 log, state, params = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-steps = [s for s in map(json.loads, open(log)) if "step" in s]  # line 1: {"settings": ...}
+lines = list(map(json.loads, open(log)))  # {"settings": ...}, {"budgets": ...}, then the steps
+steps = [s for s in lines if "step" in s]
+budgets = next((s["budgets"] for s in lines if "budgets" in s), {})
 rss = max(s["peak_rss_bytes"] for s in steps)
 # ZeRO-Infinity, stage 3, one rank, everything on NVMe: each step reads the fp32 parameters
 # twice (forward and backward gathers) and the optimizer reads and writes parameters, gradients,
@@ -43,6 +48,8 @@ for s in steps:
           f"{s['nvme_read_bytes'] / 2**30:.2f} GiB (predicted {pred_read / 2**30:.2f}), written "
           f"{s['nvme_written_bytes'] / 2**30:.2f} GiB (predicted {pred_write / 2**30:.2f})")
 print(json.dumps({"parameters": params, "training_state_bytes": state, "peak_rss_bytes": rss,
+                  "device_budget_bytes": budgets.get("device_bytes"),
+                  "host_budget_bytes": budgets.get("host_bytes"),
                   "rss_fraction_of_state": rss / state,
                   "nvme_read_bytes_per_step": steps[-1]["nvme_read_bytes"],
                   "nvme_written_bytes_per_step": steps[-1]["nvme_written_bytes"],

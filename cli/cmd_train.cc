@@ -309,8 +309,8 @@ const Registration kTrain{
                           "order, 0 = off",
                           t::kPrefetchBucket));
       sub.add_option("--max-live", a->max_live,
-                     help("Stage 3: parameter elements gathered at once, and at most half of "
-                          "--device-mem",
+                     help("Stage 3: parameter elements gathered at once, and at most what fits in "
+                          "--device-mem beside the unit being worked on",
                           t::kMaxLive));
       sub.add_option("--reuse-distance", a->reuse_distance,
                      help("Stage 3: keep a unit gathered when it is used again within this many "

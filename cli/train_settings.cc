@@ -106,6 +106,12 @@ TrainSettings build_train_settings(const TrainFlags& f, const config::Config* cf
   if (!sets(entry(t::kLr.name))) c.optimizer.lr = *t::kLr.train;
   if (!sets(entry(t::kWeightDecay.name))) c.optimizer.weight_decay = *t::kWeightDecay.train;
   if (!sets(entry(t::kSeed.name))) c.zinf.seed = *t::kSeed.train;
+  if (!sets(entry(t::kPipelineRead.name))) {
+    c.zero.offload_optimizer.pipeline_read = *t::kPipelineRead.train;
+  }
+  if (!sets(entry(t::kPipelineWrite.name))) {
+    c.zero.offload_optimizer.pipeline_write = *t::kPipelineWrite.train;
+  }
 
   // The flags, onto the keys they stand for.
   if (f.stage) {

@@ -241,7 +241,7 @@ inline constexpr Tunable<uint64_t> kMaxLive{
     .unit = Unit::kElements,
     .json = "zero_optimization.stage3_max_live_parameters",
     .flag = "--max-live",
-    .doc = "stage 3: parameter elements gathered at once (and at most half of device_mem)",
+    .doc = "stage 3: parameter elements gathered at once (and at most what fits in device_mem)",
 };
 inline constexpr Tunable<uint64_t> kMaxReuseDistance{
     .name = "max_reuse_distance",
@@ -332,12 +332,14 @@ inline constexpr Tunable<bool> kPipelineRead{
     .value = false,  // DeepSpeed's (the engine's was true before the table)
     .json = "zero_optimization.offload_optimizer.pipeline_read",
     .doc = "read the next optimizer sub-group while one is updated",
+    .train = true,  // zinf train overlaps the optimizer's offload traffic with its updates
 };
 inline constexpr Tunable<bool> kPipelineWrite{
     .name = "pipeline_write",
     .value = false,  // DeepSpeed's (the engine's was true before the table)
     .json = "zero_optimization.offload_optimizer.pipeline_write",
     .doc = "write an updated optimizer sub-group back while the next is updated",
+    .train = true,  // zinf train overlaps the optimizer's offload traffic with its updates
 };
 
 // ---- I/O (DeepSpeed's "aio" block, on io_uring) ------------------------------------------------

@@ -110,8 +110,9 @@ struct EngineSettings {
   // ahead stay below prefetch_bucket_elements (stage3_prefetch_bucket_size; 0 = none), and their
   // shards are read from host or NVMe twice as far ahead. Units gathered at once (in use,
   // fetched ahead or kept) stay within max_live_elements (stage3_max_live_parameters), and within
-  // half the device budget when one is set. A unit whose next use in the step comes within
-  // max_reuse_distance elements stays gathered (stage3_max_reuse_distance; 0 = never).
+  // what fits in the device budget beside the unit being worked on (budgets.h). A unit whose
+  // next use in the step comes within max_reuse_distance elements stays gathered
+  // (stage3_max_reuse_distance; 0 = never).
   uint64_t prefetch_bucket_elements = tunables::kPrefetchBucket.value;
   uint64_t max_live_elements = tunables::kMaxLive.value;
   uint64_t max_reuse_distance = tunables::kMaxReuseDistance.value;
