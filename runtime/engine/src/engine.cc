@@ -290,12 +290,8 @@ struct Engine::Impl {
           std::memcpy(h.data(), v.data(), v.size() * 4);
           h.mark_dirty();
         }
-        if (st.opt_home != Tier::kHost) {
-          ZINF_RETURN_IF_ERROR(e.store->flush(p.master));
-          if (st.opt_home == Tier::kNvme) {
-            ZINF_RETURN_IF_ERROR(e.store->evict(p.master, Tier::kHost));
-          }
-        }
+        // Written to its home; the host copy written above is not kept.
+        if (st.opt_home != Tier::kHost) ZINF_RETURN_IF_ERROR(e.store->evict(p.master, Tier::kHost));
       }
     }
     // Resident where they are used; the host copy written above is not kept.

@@ -368,19 +368,17 @@ class CpuDevice final : public Device {
     });
   }
 
+  // Device memory is mapped, not malloc'd (as a GPU allocator maps its own): a block dropped
+  // from the cache goes back to the system at once. Strict memory starts unreachable.
   void* map(uint64_t bytes) {
-    if (!options_.strict) return std::aligned_alloc(4096, bytes);
-    void* p = ::mmap(nullptr, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    const int prot = options_.strict ? PROT_NONE : PROT_READ | PROT_WRITE;
+    void* p = ::mmap(nullptr, bytes, prot, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) return nullptr;
-    regions_.add(p, bytes);
+    if (options_.strict) regions_.add(p, bytes);
     return p;
   }
   void unmap(void* p, uint64_t bytes) {
-    if (!options_.strict) {
-      std::free(p);
-      return;
-    }
-    regions_.remove(p);
+    if (options_.strict) regions_.remove(p);
     ::munmap(p, bytes);
   }
 

@@ -47,7 +47,7 @@ void PinnedPool::destroy(const Block& b) {
   if (b.io_slot >= 0 && options_.engine) (void)options_.engine->unregister_buffer(b.io_slot);
   if (b.io_slot >= 0) --stats_.registered;
   if (b.locked) ::munlock(b.data, b.bytes);
-  std::free(b.data);
+  ::munmap(b.data, b.bytes);
 }
 
 bool PinnedPool::make_room(uint64_t needed) {
@@ -87,8 +87,10 @@ Result<PinnedBuffer> PinnedPool::allocate(uint64_t bytes, MemoryCategory categor
                       format_bytes(static_cast<double>(stats_.bytes_in_use)),
                       format_bytes(static_cast<double>(options_.budget_bytes)));
   }
-  void* data = std::aligned_alloc(4096, padded);
-  if (data == nullptr) {
+  // Mapped, not malloc'd: a freed buffer goes back to the system at once (glibc would keep
+  // blocks below its sliding mmap threshold in its arenas, and the process's RSS with them).
+  void* data = ::mmap(nullptr, padded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (data == MAP_FAILED) {
     return make_error(ErrorCode::kOutOfMemory, "the system refused {} of host memory",
                       format_bytes(static_cast<double>(padded)));
   }
