@@ -2,12 +2,15 @@
 # The memory ladder of issue 12: one process holding 4 local ranks of a 12-layer, width-768 GPT
 # (gpt2-124m, 86 M parameters), 2 steps, each configuration given as a DeepSpeed config and no
 # budget flags (the engine chooses budgets that fit the machine). Prints, per precision, the peak
-# RSS of each configuration and its ratio to stage 0's, as JSON lines.
+# RSS of each configuration and its ratio to stage 0's, as JSON lines. One sequence of SEQ tokens
+# (default 16) per rank and step: the ladder is about model state, and a short sequence keeps the
+# activations (the same in every rung) from blurring it.
 #
-#   bash bench/memory_ladder.sh [build/cli/zinf] [swap dir]
+#   bash bench/memory_ladder.sh [build/cli/zinf] [swap dir]        (env: SEQ=16)
 set -euo pipefail
 ZINF=${1:-build/cli/zinf}
 SWAP=${2:-.zinf/ladder-swap}
+SEQ=${SEQ:-16}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK" "$SWAP"' EXIT
 mkdir -p "$SWAP"
@@ -32,7 +35,7 @@ for precision in fp32 bf16; do
       *) extra="" ;;
     esac
     config "${rung%%-*}" "$extra" "$P" > "$WORK/ds.json"
-    /usr/bin/time -f "%M" -o "$WORK/rss" "$ZINF" train --model gpt2-124m --seq 64 --ranks 4 \
+    /usr/bin/time -f "%M" -o "$WORK/rss" "$ZINF" train --model gpt2-124m --seq "$SEQ" --ranks 4 \
       --steps 2 --config "$WORK/ds.json" --quiet
     rss[$rung]=$(( $(cat "$WORK/rss") * 1024 ))
   done

@@ -4,6 +4,9 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "zinf/engine/engine.h"
 
@@ -25,7 +28,7 @@ TEST(Budgets, NvmeOffloadKeepsRamSmall) {
                      .nvme = true,
                      .params_offloaded = true};
   const Budgets b = choose_budgets(s, z, kBox, 1);
-  EXPECT_EQ(b.device_bytes, 23 * GiB / 8);  // the live window (5.3 GB) is more than the share
+  EXPECT_EQ(b.device_bytes, 23 * GiB / 8);  // the live window (~10 GB) is more than the share
   EXPECT_EQ(b.host_bytes, 23 * GiB / 8);    // max_in_cpu (1e9 fp32 = 4 GB) is more than the share
   EXPECT_LE(b.device_bytes + b.host_bytes, kBox.available_bytes / 4);
   EXPECT_NE(b.host_reason.find("1/8 of MemAvailable"), std::string::npos) << b.host_reason;
@@ -102,13 +105,49 @@ TEST(Budgets, ExplicitBudgetsAreKept) {
 }
 
 TEST(Budgets, RanksOnThisMachineComeFromTheLauncher) {
-  EXPECT_EQ(ranks_on_this_machine(true, 4), 4);
+  // The launcher's variables of this process are set aside for the test and restored after.
+  const char* names[] = {"LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
+                         "SLURM_NTASKS_PER_NODE"};
+  std::vector<std::pair<std::string, std::string>> saved;
+  for (const char* n : names) {
+    if (const char* v = std::getenv(n)) saved.emplace_back(n, v);
+    ::unsetenv(n);
+  }
+  EXPECT_EQ(ranks_on_this_machine(true, 4), 4);  // local ranks: all in this process
   ::setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "3", 1);
   EXPECT_EQ(ranks_on_this_machine(false, 8), 3);
+  ::setenv("LOCAL_WORLD_SIZE", "2", 1);  // torchrun's wins
+  EXPECT_EQ(ranks_on_this_machine(false, 8), 2);
   ::unsetenv("OMPI_COMM_WORLD_LOCAL_SIZE");
   ::setenv("LOCAL_WORLD_SIZE", "junk", 1);
-  EXPECT_EQ(ranks_on_this_machine(false, 8), 1);
+  EXPECT_EQ(ranks_on_this_machine(false, 8), 8);  // unknown: every rank, the safe side
   ::unsetenv("LOCAL_WORLD_SIZE");
+  EXPECT_EQ(ranks_on_this_machine(false, 8), 8);
+  for (const auto& [n, v] : saved) ::setenv(n.c_str(), v.c_str(), 1);
+}
+
+// Optimizer state alone on NVMe: the host budget holds staging, two parameter tensors and the
+// cache; below the floor, the floor wins over the share.
+TEST(Budgets, OptimizerOnNvmeAndATinyMachine) {
+  EngineSettings s;
+  s.stage = 2;
+  s.optimizer_home = Tier::kNvme;
+  s.param_max_in_cpu = 0;
+  const StateSizes z{.largest_unit_elements = 1'000'000,
+                     .total_unit_elements = 8'000'000,
+                     .device_home_bytes = 32'000'000,
+                     .staging_bytes = 24 * MiB,
+                     .largest_param_bytes = 4'000'000,
+                     .optimizer_offloaded = true,
+                     .world = 2,
+                     .nvme = true};
+  Budgets b = choose_budgets(s, z, kBox, 2);
+  EXPECT_EQ(b.host_bytes, 24 * MiB + 2 * 4'000'000 + kHostWorkingFloor);
+  const MachineMemory tiny{.total_bytes = 256 * MiB, .available_bytes = 64 * MiB};
+  b = choose_budgets(s, z, tiny, 2);
+  EXPECT_EQ(b.host_bytes, 24 * MiB + 2 * 4'000'000 + kHostWorkingFloor);  // the floor
+  EXPECT_EQ(b.device_bytes, 32'000'000 + static_cast<uint64_t>(1.5 * 4 * 1'000'000 * 4));
+  EXPECT_NE(b.device_reason.find("more than the share"), std::string::npos) << b.device_reason;
 }
 
 TEST(Budgets, MachineMemoryIsRead) {

@@ -111,7 +111,6 @@ TEST(Engine, Bf16AndFp16AreBitIdenticalAcrossStages) {
   }
 }
 
-// memory_report() against DESIGN.md's table (fp32; P = padded parameter elements).
 // The device comes from the settings, or from $ZINF_DEVICE (how ctest runs every engine test a
 // second time on the strict device).
 TEST(Engine, DeviceComesFromTheSettingsOrTheEnvironment) {
@@ -165,6 +164,7 @@ TEST(Engine, ViewsAreTypedAndAWrongTypeIsAnError) {
   }
 }
 
+// memory_report() against DESIGN.md's table (fp32; P = padded parameter elements).
 TEST(Engine, MemoryMatchesTheZeroArithmetic) {
   MlpShape shape;
   for (int world : {1, 2, 3, 4}) {

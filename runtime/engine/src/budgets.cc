@@ -6,12 +6,15 @@
 #include <sstream>
 #include <string>
 
+#include "zinf/core/log.h"
 #include "zinf/core/units.h"
 #include "zinf/engine/engine.h"
 
 namespace zinf {
 
-Result<MachineMemory> read_machine_memory() {
+namespace {
+
+Result<MachineMemory> read_meminfo() {
   std::ifstream in("/proc/meminfo");
   if (!in) return make_error(ErrorCode::kIo, "cannot read /proc/meminfo");
   MachineMemory m;
@@ -27,7 +30,23 @@ Result<MachineMemory> read_machine_memory() {
   if (m.total_bytes == 0 || m.available_bytes == 0) {
     return make_error(ErrorCode::kIo, "/proc/meminfo has no MemTotal or MemAvailable");
   }
+  // A memory cgroup (a container) may allow less than the machine has.
+  uint64_t limit = 0, used = 0;
+  if (std::ifstream max("/sys/fs/cgroup/memory.max"); max >> limit) {
+    std::ifstream current("/sys/fs/cgroup/memory.current");
+    current >> used;
+    m.total_bytes = std::min(m.total_bytes, limit);
+    m.available_bytes = std::min(m.available_bytes, limit > used ? limit - used : 0);
+  }
   return m;
+}
+
+}  // namespace
+
+Result<MachineMemory> read_machine_memory() {
+  // Read once per process: the local ranks of one process (threads) see the same numbers.
+  static const Result<MachineMemory> once = read_meminfo();
+  return once;
 }
 
 int ranks_on_this_machine(bool local_backend, int world_size) {
@@ -40,7 +59,12 @@ int ranks_on_this_machine(bool local_backend, int world_size) {
     const long n = std::strtol(v, &end, 10);
     if (end != v && *end == '\0' && n > 0) return static_cast<int>(n);
   }
-  return 1;
+  // Unknown: assume every rank shares this machine (budgets too small rather than too large).
+  log::warn_once("budgets:local-ranks",
+                 fmt::format("no launcher variable tells how many ranks share this machine; "
+                             "automatic budgets assume all {} do (set LOCAL_WORLD_SIZE)",
+                             world_size));
+  return std::max(world_size, 1);
 }
 
 namespace {

@@ -72,9 +72,30 @@ struct Engine::Impl {
     return Status::ok();
   }
 
+  // Partial offload (DeepSpeed's Twin-Flow `ratio`): the first units, in declaration order,
+  // holding about `ratio` of the parameters have their optimizer state offloaded; the others keep
+  // it on the device and are updated there. Whole units: the optimizer's home of each.
+  std::vector<Tier> optimizer_homes(const std::vector<zero::ShardLayout>& layouts) const {
+    const EngineSettings& s = e.s;
+    uint64_t total_numel = 0, offloaded_numel = 0;
+    for (const auto& l : layouts) total_numel += l.numel;
+    std::vector<Tier> homes;
+    for (const auto& l : layouts) {
+      const bool offload = s.optimizer_home != Tier::kDevice &&
+                           static_cast<double>(offloaded_numel) + l.numel / 2.0 <=
+                               s.optimizer_offload_ratio * static_cast<double>(total_numel);
+      if (offload) offloaded_numel += l.numel;
+      homes.push_back(offload ? s.optimizer_home : Tier::kDevice);
+    }
+    return homes;
+  }
+
   // Resolves automatic budgets (device_mem / host_mem 0) into e.s from the model's sizes and the
-  // machine (zinf/engine/budgets.h); explicit ones are kept.
-  Status choose_budgets_for(const std::vector<zero::ShardLayout>& layouts, bool nvme) {
+  // machine (zinf/engine/budgets.h); explicit ones are kept. Every rank then takes the smallest
+  // of the ranks' budgets: the scheduler's decisions depend on the device budget, and every rank
+  // must issue the same all-gathers (MemAvailable differs between ranks and over time).
+  Status choose_budgets_for(const std::vector<zero::ShardLayout>& layouts,
+                            const std::vector<Tier>& opt_homes, bool nvme) {
     const EngineSettings& s = e.s;
     const uint64_t wsize = dtype_size(s.dtype);
     e.staging_total = nvme ? uint64_t{kStoreMovers + 1} * std::max<uint32_t>(s.staging_buffers, 2) *
@@ -85,22 +106,20 @@ struct Engine::Impl {
                  .world = e.world,
                  .nvme = nvme,
                  .params_offloaded = s.param_home != Tier::kDevice};
-    uint64_t opt_bytes = 0;
-    for (const auto& l : layouts) {
+    for (size_t u = 0; u < layouts.size(); ++u) {
+      const zero::ShardLayout& l = layouts[u];
       z.largest_unit_elements = std::max(z.largest_unit_elements, l.numel_padded);
       z.total_unit_elements += l.numel_padded;
       const uint64_t params = e.policy.param_elements(l) * wsize;
       e.largest_param_bytes = std::max(e.largest_param_bytes, params);
       if (s.param_home == Tier::kDevice) z.device_home_bytes += params;
       if (s.param_home == Tier::kHost) z.host_home_bytes += params;
-      // fp32 m, v, gradient accumulator (and master when mixed) of the elements this rank owns.
-      opt_bytes +=
+      // fp32 m, v, gradient accumulator (and master when mixed) of the elements this rank owns,
+      // where the unit's optimizer lives.
+      const uint64_t opt_bytes =
           e.policy.owned_elements(l) * (e.mixed ? 12 : 8) + e.policy.accumulator_elements(l) * 4;
-    }
-    const double offloaded = s.optimizer_home == Tier::kDevice ? 0 : s.optimizer_offload_ratio;
-    z.device_home_bytes += static_cast<uint64_t>(static_cast<double>(opt_bytes) * (1 - offloaded));
-    if (s.optimizer_home == Tier::kHost) {
-      z.host_home_bytes += static_cast<uint64_t>(static_cast<double>(opt_bytes) * offloaded);
+      if (opt_homes[u] == Tier::kDevice) z.device_home_bytes += opt_bytes;
+      if (opt_homes[u] == Tier::kHost) z.host_home_bytes += opt_bytes;
     }
     z.largest_param_bytes = e.largest_param_bytes;
     MachineMemory machine{.total_bytes = uint64_t{1} << 40, .available_bytes = uint64_t{1} << 40};
@@ -110,19 +129,30 @@ struct Engine::Impl {
     e.sizes = z;
     const bool local = e.comm.backend() == comm::Backend::kLocal;
     e.budgets = choose_budgets(s, z, machine, ranks_on_this_machine(local, e.world));
+    if (e.world > 1) {
+      ZINF_ASSIGN_OR_RETURN(e.budgets.device_bytes, smallest_of_ranks(e.budgets.device_bytes));
+      ZINF_ASSIGN_OR_RETURN(e.budgets.host_bytes, smallest_of_ranks(e.budgets.host_bytes));
+    }
     e.s.device_mem = e.budgets.device_bytes;
     e.s.host_mem = e.budgets.host_bytes;
     return Status::ok();
+  }
+
+  // The smallest of every rank's `value` (all-gathered as raw 32-bit words).
+  Result<uint64_t> smallest_of_ranks(uint64_t value) {
+    std::vector<uint64_t> all(e.world);
+    ZINF_RETURN_IF_ERROR(
+        e.comm.all_gather(&value, all.data(), sizeof(uint64_t) / 4, DType::kF32).wait());
+    return *std::min_element(all.begin(), all.end());
   }
 
   // This rank's resources: device and streams, NVMe swap, pinned host pool, the store over them.
   Status open_tiers(bool nvme) {
     const EngineSettings& s = e.s;
     ZINF_ASSIGN_OR_RETURN(const DeviceKind kind, resolve_device_kind(s.device));
-    e.device = make_cpu_device({.budget_bytes = s.device_mem,
-                                .ledger = &e.ledger,
-                                .strict = kind == DeviceKind::kCpuStrict,
-                                .threads = s.optimizer_threads});
+    ZINF_ASSIGN_OR_RETURN(e.device, make_device(kind, {.budget_bytes = s.device_mem,
+                                                       .ledger = &e.ledger,
+                                                       .threads = s.optimizer_threads}));
     e.stream = e.device->create_stream(e.track("engine"));
     e.optimizer_stream = e.device->create_stream(e.track("optimizer"));
     if (nvme) {
@@ -160,7 +190,8 @@ struct Engine::Impl {
       layouts.push_back(std::move(l));
     }
     const bool nvme = s.param_home == Tier::kNvme || s.optimizer_home == Tier::kNvme;
-    ZINF_RETURN_IF_ERROR(choose_budgets_for(layouts, nvme));
+    const std::vector<Tier> opt_homes = optimizer_homes(layouts);
+    ZINF_RETURN_IF_ERROR(choose_budgets_for(layouts, opt_homes, nvme));
     ZINF_RETURN_IF_ERROR(open_tiers(nvme));
 
     // The scheduler: its live bound is also held to what fits in the device budget beside the
@@ -181,21 +212,12 @@ struct Engine::Impl {
     for (const auto& l : layouts) owned.push_back(e.policy.owned_ranges(l, e.rank, e.world));
     const sched::SubGroupPlan plan =
         sched::plan_sub_groups(owned, optimizer.sub_group_limit(), kernels::kSumSquaresBlockElems);
-    uint64_t total_numel = 0, offloaded_numel = 0, acc_bytes = 0;
-    for (const auto& l : layouts) total_numel += l.numel;
+    uint64_t acc_bytes = 0;
     for (size_t u = 0; u < e.units.size(); ++u) {
       UnitState st;
       st.layout = layouts[u];
       st.persistent = e.policy.sharded_params && st.layout.numel <= s.param_persistence_threshold;
-      // Partial offload (DeepSpeed's Twin-Flow `ratio`): the first units, in declaration order,
-      // holding about `ratio` of the parameters have their optimizer state offloaded; the others
-      // keep it on the device and are updated there.
-      if (s.optimizer_home != Tier::kDevice &&
-          static_cast<double>(offloaded_numel) + st.layout.numel / 2.0 <=
-              s.optimizer_offload_ratio * static_cast<double>(total_numel)) {
-        st.opt_home = s.optimizer_home;
-        offloaded_numel += st.layout.numel;
-      }
+      st.opt_home = opt_homes[u];
       ZINF_RETURN_IF_ERROR(make_unit_tensors(u, st, plan));
       if (st.opt_home != Tier::kDevice) acc_bytes += e.policy.accumulator_elements(st.layout) * 4;
       e.unit_states.push_back(std::move(st));
@@ -534,6 +556,7 @@ Result<std::unique_ptr<Engine>> Engine::create(const EngineSettings& settings,
   impl->e.init = std::move(init);
   ZINF_RETURN_IF_ERROR(impl->build());
   impl->e.ledger.reset_peaks();
+  impl->e.comm.reset_counters();               // the budget agreement is not part of the first step
   const EngineSettings effective = impl->e.s;  // with the budgets chosen
   return std::unique_ptr<Engine>(new Engine(effective, std::move(impl)));
 }
@@ -575,6 +598,9 @@ Result<TensorView> Engine::scope_grads(UnitScope& scope) {
 
 Status Engine::end_scope(UnitScope& scope) {
   engine_detail::EngineState& e = impl_->e;
+  // The model's own operations on the scope's buffers (on stream()) finish before the gradients
+  // are reduced and the gathered parameters are let go.
+  Status ops = engine_detail::sync(*e.stream);
   if (trace::enabled()) {
     trace::complete(e.track("compute"),
                     (scope.grads_ ? "backward " : "forward ") + e.units[scope.unit_].name,
@@ -583,8 +609,14 @@ Status Engine::end_scope(UnitScope& scope) {
   scope.param_handle_.release();
   scope.params_ = nullptr;
   impl_->gatherer.end_use(scope.unit_);
-  if (!scope.grads_) return Status::ok();
-  return impl_->reducer.issue(scope.unit_, std::move(scope.grads_));
+  // The reduction is issued whatever failed here, so that every rank's collectives stay in step;
+  // the failure fails this rank's step (and so every rank's: StepAgreement).
+  Status issued;
+  if (scope.grads_) issued = impl_->reducer.issue(scope.unit_, std::move(scope.grads_));
+  if (!ops.is_ok()) {
+    return std::move(ops).with_context("operations on unit " + e.units[scope.unit_].name);
+  }
+  return issued;
 }
 
 Status Engine::step() {

@@ -159,6 +159,10 @@ class Regions {
       if (p == nullptr || bytes == 0) continue;
       auto it = find(reinterpret_cast<uintptr_t>(p));
       if (it == regions_.end()) continue;
+      // An operand that runs past its allocation would touch a neighbour: a broken invariant.
+      ZINF_CHECK(reinterpret_cast<uintptr_t>(p) + bytes <= it->first + it->second.bytes,
+                 "an operand of {} bytes at {} runs past its device allocation ({} bytes at {:#x})",
+                 bytes, p, it->second.bytes, it->first);
       if (it->second.opens++ == 0) protect(it->first, it->second.bytes, PROT_READ | PROT_WRITE);
       opened.push_back(it->first);
     }
@@ -425,6 +429,21 @@ Result<DeviceKind> resolve_device_kind(DeviceKind kind) {
 
 std::unique_ptr<Device> make_cpu_device(const CpuDeviceOptions& options) {
   return std::make_unique<CpuDevice>(options);
+}
+
+Result<std::unique_ptr<Device>> make_device(DeviceKind kind, const DeviceOptions& options) {
+  switch (kind) {
+    case DeviceKind::kCpu:
+    case DeviceKind::kCpuStrict:
+      return make_cpu_device({.budget_bytes = options.budget_bytes,
+                              .ledger = options.ledger,
+                              .strict = kind == DeviceKind::kCpuStrict,
+                              .threads = options.threads});
+    case DeviceKind::kAuto:
+      break;
+  }
+  return make_error(ErrorCode::kInvalidArgument, "make_device: resolve the device kind first ({})",
+                    device_kind_name(kind));
 }
 
 }  // namespace zinf

@@ -59,7 +59,8 @@ struct OffloadConfig {
   // both blocks: buffers in the NVMe staging pool (EngineSettings::staging_buffers). DeepSpeed:
   // 5 for offload_param (ZeroConfig sets it), 4 for offload_optimizer.
   int64_t buffer_count = tunables::kStagingBuffers.value;
-  // offload_param only: elements of NVMe-offloaded state cached in host memory.
+  // offload_param only: with NVMe offload, the parameter elements of cache the automatic host
+  // budget holds (docs/engine.md, Budgets).
   uint64_t max_in_cpu = tunables::kParamMaxInCpu.value;
   bool pin_memory = tunables::kPinMemory.value;  // both blocks: page-locked host memory
   // offload_optimizer only: read sub-group i+1 during the update of i.

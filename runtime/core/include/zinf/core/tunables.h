@@ -295,7 +295,7 @@ inline constexpr Tunable<uint64_t> kParamMaxInCpu{
     .value = 1'000'000'000,
     .unit = Unit::kElements,
     .json = "zero_optimization.offload_param.max_in_cpu",
-    .doc = "elements of NVMe-offloaded state cached in host memory",
+    .doc = "with NVMe offload and an automatic host budget: parameter elements of cache it holds",
 };
 inline constexpr Tunable<int64_t> kParamBufferCount{
     .name = "offload_param.buffer_count",

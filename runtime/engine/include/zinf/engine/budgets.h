@@ -1,6 +1,9 @@
 // Budgets that fit the machine: what the engine uses when EngineSettings::device_mem or host_mem
 // is 0 (auto). A pure function of the settings, the model's sizes and the machine's memory, so it
-// is tested alone and every rank of a machine computes the same answer.
+// is tested alone.
+//
+// Every rank computes its own; the engine then takes the smallest over the ranks, so that every
+// rank's scheduler makes the same decisions (MemAvailable differs between ranks and over time).
 //
 // The rule (docs/engine.md, "Budgets"):
 //  - shares: the CPU device takes half of MemAvailable, the host tier a quarter, each split
@@ -35,12 +38,13 @@ struct MachineMemory {
   uint64_t total_bytes = 0;      // MemTotal
   uint64_t available_bytes = 0;  // MemAvailable
 };
-// /proc/meminfo; an error naming the file when it cannot be read.
+// /proc/meminfo, within the memory cgroup's limit when there is one (memory.max); read once per
+// process. An error naming the file when it cannot be read.
 Result<MachineMemory> read_machine_memory();
 
 // Ranks sharing this machine's memory: the local communicator's world, else the launcher's
-// LOCAL_WORLD_SIZE / OMPI_COMM_WORLD_LOCAL_SIZE / MPI_LOCALNRANKS / SLURM_NTASKS_PER_NODE,
-// else 1.
+// LOCAL_WORLD_SIZE / OMPI_COMM_WORLD_LOCAL_SIZE / MPI_LOCALNRANKS / SLURM_NTASKS_PER_NODE, else
+// (with a warning) the whole world: budgets too small rather than too large.
 int ranks_on_this_machine(bool local_backend, int world_size);
 
 // What the model needs per rank, computed by the engine from its layouts.

@@ -173,9 +173,9 @@ class TensorView {
   TensorRef ref() const { return {.data = data_, .dtype = dtype_, .numel = numel_}; }
   template <typename T>
   Result<DeviceSpan<T>> as() const {
-    if (element_dtype<std::remove_const_t<T>> != dtype_) {
+    if (element_dtype<T> != dtype_) {
       return make_error(ErrorCode::kInvalidArgument, "{} holds {} elements, asked for {}", what_,
-                        dtype_name(dtype_), dtype_name(element_dtype<std::remove_const_t<T>>));
+                        dtype_name(dtype_), dtype_name(element_dtype<T>));
     }
     return DeviceSpan<T>{.data = static_cast<T*>(data_), .size = numel_};
   }

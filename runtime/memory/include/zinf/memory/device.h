@@ -8,10 +8,12 @@
 //    copies between device memory and host memory, fill, accumulate with dtype conversion, cast,
 //    scale with a non-finite flag, deterministic blocked sum of squares, and Adam/AdamW over
 //    device-resident state (kernels::adam_step's element function).
-//  - Operands of an operation are the device's own memory or host memory (pinned under CUDA, so
-//    kernels and DMA reach it); results that the host reads (the non-finite flag, the block
-//    sums) are written to host memory when the operation runs. An operation's operands belong to
-//    it from the call until an event recorded after it completes.
+//  - Operands of an operation are the device's own memory or any host memory; results that the
+//    host reads (the non-finite flag, the block sums) are written to host memory when the
+//    operation runs. A backend whose kernels reach only pinned memory (CUDA) stages pageable
+//    operands through pinned buffers of its own; pinned ones (PinnedPool) are reached directly.
+//    An operation's operands belong to it from the call until an event recorded after it
+//    completes.
 //  - A Stream runs its operations in order. Enqueueing never blocks the caller; wait_for(event)
 //    makes later work on this stream wait for another stream's event without blocking the host.
 //    Work reports a Status; the first failure on a stream is sticky: every event recorded after
@@ -21,7 +23,7 @@
 //    CommWindow: the range is reachable by the communicator while the window lives. A device
 //    whose collectives reach its memory natively (CUDA with NCCL) returns a no-op window.
 //
-// CpuDevice implements the contract without a GPU (memory from the host heap under a budget,
+// CpuDevice implements the contract without a GPU (memory mapped from the system under a budget,
 // each stream a thread, the operations calling the SIMD kernels of kernels/), so every tier
 // path runs on CPU-only machines. Its strict variant maps its memory PROT_NONE except while an
 // operation (or a CommWindow) uses it. CudaDevice (the CUDA work) keeps the same contract.
@@ -33,6 +35,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 
 #include "zinf/core/dtype.h"
@@ -186,12 +189,24 @@ struct BFloat16 {
 struct Float16 {
   uint16_t bits;
 };
+// The dtype of an element type; only float, BFloat16 and Float16 have one (anything else does not
+// compile: a view is never reinterpreted as another type).
 template <typename T>
-inline constexpr DType element_dtype = DType::kF32;  // float
+struct ElementDType;
 template <>
-inline constexpr DType element_dtype<BFloat16> = DType::kBF16;
+struct ElementDType<float> {
+  static constexpr DType value = DType::kF32;
+};
 template <>
-inline constexpr DType element_dtype<Float16> = DType::kF16;
+struct ElementDType<BFloat16> {
+  static constexpr DType value = DType::kBF16;
+};
+template <>
+struct ElementDType<Float16> {
+  static constexpr DType value = DType::kF16;
+};
+template <typename T>
+inline constexpr DType element_dtype = ElementDType<std::remove_const_t<T>>::value;
 
 // Which device the engine computes on.
 enum class DeviceKind : uint8_t {
@@ -214,5 +229,14 @@ struct CpuDeviceOptions {
 };
 
 std::unique_ptr<Device> make_cpu_device(const CpuDeviceOptions& options);
+
+// The device of a kind (resolved: not kAuto) under a budget; the one place a backend is chosen,
+// so a new backend (CUDA) adds a kind here and nothing above runtime/memory changes.
+struct DeviceOptions {
+  uint64_t budget_bytes = 1ull << 30;
+  Ledger* ledger = nullptr;
+  int threads = 0;  // CPU kinds: threads of the operations' kernels; 0 = all
+};
+Result<std::unique_ptr<Device>> make_device(DeviceKind kind, const DeviceOptions& options);
 
 }  // namespace zinf
