@@ -2,7 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
+#include <thread>
 
 #include "mlp.h"
 
@@ -123,6 +125,56 @@ TEST(Engine, DeviceComesFromTheSettingsOrTheEnvironment) {
   auto chosen = Engine::create(s, *group[0], testing::mlp_units({}), testing::mlp_init).value();
   const char* env = std::getenv("ZINF_DEVICE");
   EXPECT_EQ(chosen->device().name(), env && *env ? env : "cpu");
+}
+
+// Budgets differ between ranks (MemAvailable, or as here explicitly): every rank runs with the
+// smallest, so their schedulers decide the same.
+TEST(Engine, RanksRunWithTheSmallestOfTheirBudgets) {
+  auto group = comm::make_local_group(2).value();
+  std::vector<uint64_t> device(2), host(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      EngineSettings s = base(3);
+      s.device_mem = (64ull << 20) * (r + 1);
+      s.host_mem = (96ull << 20) / (r + 1);
+      auto engine = Engine::create(s, *group[r], testing::mlp_units({}), testing::mlp_init);
+      ASSERT_TRUE(engine.is_ok()) << engine.status().to_string();
+      device[r] = (*engine)->settings().device_mem;
+      host[r] = (*engine)->budgets().host_bytes;
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(device[0], 64ull << 20);
+  EXPECT_EQ(device[1], 64ull << 20);
+  EXPECT_EQ(host[0], 48ull << 20);
+  EXPECT_EQ(host[1], 48ull << 20);
+}
+
+// A model that computes on the device enqueues its operations on the engine's stream and ends
+// the scope without waiting: the reduction sees what they wrote.
+TEST(Engine, AModelsOwnDeviceOperationsFinishBeforeTheReduction) {
+  auto group = comm::make_local_group(1).value();
+  EngineSettings s = base(2);
+  s.gradient_clipping = 1e9f;  // the norm is computed (and reported), nothing is clipped
+  auto engine = Engine::create(s, *group[0], testing::mlp_units({}), testing::mlp_init).value();
+  uint64_t numel = 0;
+  for (size_t u = 0; u < engine->unit_count(); ++u) {
+    UnitScope scope = engine->gather(u).value();
+    TensorRef g = scope.grads().value().ref();
+    g.numel = scope.layout().numel;
+    numel += g.numel;
+    // Work already queued on the stream delays the fill: without the scope's end waiting for
+    // the stream, the reduction would read the zeros grads() started from.
+    engine->stream().enqueue([] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      return Status::ok();
+    });
+    engine->device().fill(g, 0.5f, engine->stream());  // no wait
+    ASSERT_TRUE(scope.finish().is_ok());
+  }
+  ASSERT_TRUE(engine->step().is_ok());
+  EXPECT_DOUBLE_EQ(engine->last_step().grad_norm, 0.5 * std::sqrt(static_cast<double>(numel)));
 }
 
 // The views a model gets are typed: asking for another element type is an error naming both.

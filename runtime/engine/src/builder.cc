@@ -1,0 +1,308 @@
+#include "builder.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "zinf/core/units.h"
+#include "zinf/engine/budgets.h"
+#include "zinf/kernels/cpu_adam.h"
+#include "zinf/sched/sub_groups.h"
+
+namespace zinf::engine_detail {
+namespace {
+
+constexpr uint32_t kStoreMovers = 2;  // the store's mover threads (each has a staging lane)
+
+class Builder {
+ public:
+  Builder(EngineState& state, OptimizerPipeline& pipeline) : e(state), optimizer(pipeline) {}
+
+  Status validate() const {
+    const EngineSettings& s = e.s;
+    if (s.stage < 0 || s.stage > 3) {
+      return make_error(ErrorCode::kInvalidArgument, "ZeRO stage must be 0..3, got {}", s.stage);
+    }
+    if (s.param_home != Tier::kDevice && !e.policy.sharded_params) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "parameter offload needs ZeRO stage 3 (stage is {})", s.stage);
+    }
+    if ((s.param_home == Tier::kNvme || s.optimizer_home == Tier::kNvme) && s.nvme_paths.empty()) {
+      return make_error(ErrorCode::kInvalidArgument, "NVMe offload needs at least one nvme_path");
+    }
+    if (s.gradient_accumulation_steps < 1) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "gradient_accumulation_steps must be at least 1, got {}",
+                        s.gradient_accumulation_steps);
+    }
+    if (!(s.optimizer_offload_ratio > 0 && s.optimizer_offload_ratio <= 1)) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "offload_optimizer.ratio must be in (0, 1], got {}",
+                        s.optimizer_offload_ratio);
+    }
+    return Status::ok();
+  }
+
+  // Partial offload (DeepSpeed's Twin-Flow `ratio`): the first units, in declaration order,
+  // holding about `ratio` of the parameters have their optimizer state offloaded; the others keep
+  // it on the device and are updated there. Whole units: the optimizer's home of each.
+  std::vector<Tier> optimizer_homes(const std::vector<zero::ShardLayout>& layouts) const {
+    const EngineSettings& s = e.s;
+    uint64_t total_numel = 0, offloaded_numel = 0;
+    for (const auto& l : layouts) total_numel += l.numel;
+    std::vector<Tier> homes;
+    for (const auto& l : layouts) {
+      const bool offload = s.optimizer_home != Tier::kDevice &&
+                           static_cast<double>(offloaded_numel) + l.numel / 2.0 <=
+                               s.optimizer_offload_ratio * static_cast<double>(total_numel);
+      if (offload) offloaded_numel += l.numel;
+      homes.push_back(offload ? s.optimizer_home : Tier::kDevice);
+    }
+    return homes;
+  }
+
+  // Resolves automatic budgets (device_mem / host_mem 0) into e.s from the model's sizes and the
+  // machine (zinf/engine/budgets.h); explicit ones are kept. Every rank then takes the smallest
+  // of the ranks' budgets: the scheduler's decisions depend on the device budget, and every rank
+  // must issue the same all-gathers (MemAvailable differs between ranks and over time).
+  Status choose_budgets_for(const std::vector<zero::ShardLayout>& layouts,
+                            const std::vector<Tier>& opt_homes, bool nvme) {
+    const EngineSettings& s = e.s;
+    const uint64_t wsize = dtype_size(s.dtype);
+    e.staging_total = nvme ? uint64_t{kStoreMovers + 1} * std::max<uint32_t>(s.staging_buffers, 2) *
+                                 s.staging_bytes
+                           : 0;
+    StateSizes z{.staging_bytes = e.staging_total,
+                 .optimizer_offloaded = s.optimizer_home != Tier::kDevice,
+                 .world = e.world,
+                 .nvme = nvme,
+                 .params_offloaded = s.param_home != Tier::kDevice};
+    for (size_t u = 0; u < layouts.size(); ++u) {
+      const zero::ShardLayout& l = layouts[u];
+      z.largest_unit_elements = std::max(z.largest_unit_elements, l.numel_padded);
+      z.total_unit_elements += l.numel_padded;
+      const uint64_t params = e.policy.param_elements(l) * wsize;
+      e.largest_param_bytes = std::max(e.largest_param_bytes, params);
+      if (s.param_home == Tier::kDevice) z.device_home_bytes += params;
+      if (s.param_home == Tier::kHost) z.host_home_bytes += params;
+      // fp32 m, v, gradient accumulator (and master when mixed) of the elements this rank owns,
+      // where the unit's optimizer lives.
+      const uint64_t opt_bytes =
+          e.policy.owned_elements(l) * (e.mixed ? 12 : 8) + e.policy.accumulator_elements(l) * 4;
+      if (opt_homes[u] == Tier::kDevice) z.device_home_bytes += opt_bytes;
+      if (opt_homes[u] == Tier::kHost) z.host_home_bytes += opt_bytes;
+    }
+    z.largest_param_bytes = e.largest_param_bytes;
+    MachineMemory machine{.total_bytes = uint64_t{1} << 40, .available_bytes = uint64_t{1} << 40};
+    if (s.device_mem == 0 || s.host_mem == 0) {
+      ZINF_ASSIGN_OR_RETURN(machine, read_machine_memory());
+    }
+    e.sizes = z;
+    const bool local = e.comm.backend() == comm::Backend::kLocal;
+    e.budgets = choose_budgets(s, z, machine, ranks_on_this_machine(local, e.world));
+    if (e.world > 1) {
+      ZINF_ASSIGN_OR_RETURN(e.budgets.device_bytes, smallest_of_ranks(e.budgets.device_bytes));
+      ZINF_ASSIGN_OR_RETURN(e.budgets.host_bytes, smallest_of_ranks(e.budgets.host_bytes));
+    }
+    e.s.device_mem = e.budgets.device_bytes;
+    e.s.host_mem = e.budgets.host_bytes;
+    return Status::ok();
+  }
+
+  // The smallest of every rank's `value` (all-gathered as raw 32-bit words).
+  Result<uint64_t> smallest_of_ranks(uint64_t value) {
+    std::vector<uint64_t> all(e.world);
+    ZINF_RETURN_IF_ERROR(
+        e.comm.all_gather(&value, all.data(), sizeof(uint64_t) / 4, DType::kF32).wait());
+    return *std::min_element(all.begin(), all.end());
+  }
+
+  // This rank's resources: device and streams, NVMe swap, pinned host pool, the store over them.
+  Status open_tiers(bool nvme) {
+    const EngineSettings& s = e.s;
+    ZINF_ASSIGN_OR_RETURN(const DeviceKind kind, resolve_device_kind(s.device));
+    ZINF_ASSIGN_OR_RETURN(e.device, make_device(kind, {.budget_bytes = s.device_mem,
+                                                       .ledger = &e.ledger,
+                                                       .threads = s.optimizer_threads}));
+    e.stream = e.device->create_stream(e.track("engine"));
+    e.optimizer_stream = e.device->create_stream(e.track("optimizer"));
+    if (nvme) {
+      ZINF_ASSIGN_OR_RETURN(e.io, io::IoEngine::create({.queue_depth = s.io_queue_depth,
+                                                        .block_size = s.io_block_size,
+                                                        .rings = s.io_rings,
+                                                        .single_submit = s.io_single_submit}));
+      ZINF_ASSIGN_OR_RETURN(e.swap, io::SwapSpace::create(*e.io, {.directories = s.nvme_paths,
+                                                                  .checksum = s.checksum}));
+    }
+    e.pool = std::make_unique<PinnedPool>(PinnedPoolOptions{.budget_bytes = s.host_mem,
+                                                            .pin = s.pin_memory,
+                                                            .engine = e.io.get(),
+                                                            .ledger = &e.ledger});
+    ZINF_ASSIGN_OR_RETURN(e.store, TieredTensorStore::create({.device = e.device.get(),
+                                                              .host = e.pool.get(),
+                                                              .swap = e.swap.get(),
+                                                              .ledger = &e.ledger,
+                                                              .staging_bytes = s.staging_bytes,
+                                                              .staging_buffers = s.staging_buffers,
+                                                              .movers = kStoreMovers,
+                                                              .trace_name = e.track("")}));
+    return Status::ok();
+  }
+
+  Status build() {
+    e.rank = e.comm.rank();
+    e.world = e.comm.world_size();
+    e.mixed = e.s.dtype != DType::kF32;
+    ZINF_RETURN_IF_ERROR(validate());
+    const EngineSettings& s = e.s;
+    std::vector<zero::ShardLayout> layouts;
+    for (const auto& unit : e.units) {
+      ZINF_ASSIGN_OR_RETURN(zero::ShardLayout l, zero::make_shard_layout(unit, e.world, s.dtype));
+      layouts.push_back(std::move(l));
+    }
+    const bool nvme = s.param_home == Tier::kNvme || s.optimizer_home == Tier::kNvme;
+    const std::vector<Tier> opt_homes = optimizer_homes(layouts);
+    ZINF_RETURN_IF_ERROR(choose_budgets_for(layouts, opt_homes, nvme));
+    ZINF_RETURN_IF_ERROR(open_tiers(nvme));
+
+    // The scheduler: its live bound is also held to what fits in the device budget beside the
+    // homed state and the unit being worked on (the same on every rank: it depends on the sizes
+    // and the budget, never on memory pressure).
+    std::vector<uint64_t> unit_elements;
+    for (const auto& l : layouts) unit_elements.push_back(l.numel_padded);
+    e.sched = std::make_unique<sched::Scheduler>(
+        sched::SchedulerOptions{
+            .prefetch_elements = s.prefetch_bucket_elements,
+            .max_live_elements = std::min(s.max_live_elements,
+                                          live_elements_that_fit(e.sizes, s.dtype, s.device_mem)),
+            .max_reuse_distance = s.max_reuse_distance},
+        unit_elements);
+
+    // Optimizer sub-groups over the ranges this rank owns.
+    std::vector<std::vector<sched::ElementRange>> owned;
+    for (const auto& l : layouts) owned.push_back(e.policy.owned_ranges(l, e.rank, e.world));
+    const sched::SubGroupPlan plan =
+        sched::plan_sub_groups(owned, optimizer.sub_group_limit(), kernels::kSumSquaresBlockElems);
+    uint64_t acc_bytes = 0;
+    for (size_t u = 0; u < e.units.size(); ++u) {
+      UnitState st;
+      st.layout = layouts[u];
+      st.persistent = e.policy.sharded_params && st.layout.numel <= s.param_persistence_threshold;
+      st.opt_home = opt_homes[u];
+      ZINF_RETURN_IF_ERROR(make_unit_tensors(u, st, plan));
+      if (st.opt_home != Tier::kDevice) acc_bytes += e.policy.accumulator_elements(st.layout) * 4;
+      e.unit_states.push_back(std::move(st));
+      ZINF_RETURN_IF_ERROR(initialise(u));
+    }
+    optimizer.set_plan(plan, acc_bytes);
+    e.schedule_now.sub_groups = optimizer.sub_groups();
+    return Status::ok();
+  }
+
+  // The unit's parameter tensor and, for each of its pieces of the plan, the optimizer state and
+  // gradient accumulator (where the unit's optimizer lives).
+  Status make_unit_tensors(size_t u, UnitState& st, const sched::SubGroupPlan& plan) {
+    const uint64_t wsize = dtype_size(e.s.dtype);
+    const std::string& name = e.units[u].name;
+    ZINF_ASSIGN_OR_RETURN(
+        st.params, e.make_tensor(name + ".params", e.policy.param_elements(st.layout) * wsize,
+                                 e.s.param_home, MemoryCategory::kParameters));
+    // A full accumulator (stage 1) is one tensor for the unit, shared by its pieces.
+    TensorId shared_acc = kNoTensor;
+    if (e.policy.full_grad_accumulator) {
+      ZINF_ASSIGN_OR_RETURN(shared_acc, e.make_tensor(name + ".grad_acc",
+                                                      e.policy.accumulator_elements(st.layout) * 4,
+                                                      st.opt_home, MemoryCategory::kGradients));
+    }
+    std::vector<size_t> mine;
+    for (size_t i = 0; i < plan.pieces.size(); ++i) {
+      if (plan.pieces[i].unit == u) mine.push_back(i);
+    }
+    for (size_t k = 0; k < mine.size(); ++k) {
+      const sched::Piece& src = plan.pieces[mine[k]];
+      PieceState p{.unit = u, .begin = src.range.begin, .end = src.range.end};
+      const uint64_t n = p.end - p.begin;
+      // "layer0.adam_m", or "layer0.adam_m.1" when the unit's state is in several pieces.
+      auto tensor_name = [&](const char* what) {
+        return mine.size() == 1 ? fmt::format("{}.{}", name, what)
+                                : fmt::format("{}.{}.{}", name, what, k);
+      };
+      if (e.mixed) {
+        ZINF_ASSIGN_OR_RETURN(p.master, e.make_tensor(tensor_name("master"), n * 4, st.opt_home,
+                                                      MemoryCategory::kOptimizerStates));
+      }
+      ZINF_ASSIGN_OR_RETURN(p.m, e.make_tensor(tensor_name("adam_m"), n * 4, st.opt_home,
+                                               MemoryCategory::kOptimizerStates));
+      ZINF_ASSIGN_OR_RETURN(p.v, e.make_tensor(tensor_name("adam_v"), n * 4, st.opt_home,
+                                               MemoryCategory::kOptimizerStates));
+      // The fp32 gradient lives with the optimizer state (device, host or NVMe), so that with
+      // NVMe offload no training state is bound to memory (the host budget caches it).
+      if (shared_acc != kNoTensor) {
+        p.acc = shared_acc;
+        p.acc_base = 0;
+        p.owns_acc = false;
+      } else {
+        ZINF_ASSIGN_OR_RETURN(p.acc, e.make_tensor(tensor_name("grad_acc"), n * 4, st.opt_home,
+                                                   MemoryCategory::kGradients));
+        p.acc_base = p.begin;
+      }
+      // Pieces are made in plan order, so indices into `pieces` match the plan's.
+      st.pieces.push_back(e.pieces.size());
+      e.pieces.push_back(p);
+    }
+    return Status::ok();
+  }
+
+  // Fills the parameters this rank holds (and its fp32 master) from the init function.
+  Status initialise(size_t u) {
+    UnitState& st = e.unit_states[u];
+    const auto& l = st.layout;
+    const EngineSettings& s = e.s;
+    const uint64_t p_begin = e.policy.param_begin(l, e.rank);
+    const uint64_t p_end = p_begin + e.policy.param_elements(l);
+    // fp32 values of [begin, end) of the unit (zero past numel: the padding).
+    auto values = [&](uint64_t begin, uint64_t end) {
+      std::vector<float> out(end - begin);
+      for (uint64_t flat = begin; flat < std::min(end, l.numel); ++flat) {
+        out[flat - begin] = e.init(u, flat, s.seed);
+      }
+      return out;
+    };
+    {  // written on the host, converted to the working dtype there
+      ZINF_ASSIGN_OR_RETURN(TensorHandle h, e.store->acquire(st.params, Tier::kHost));
+      const std::vector<float> v = values(p_begin, p_end);
+      kernels::cast(v.data(), DType::kF32, h.data(), s.dtype, v.size(), s.optimizer_threads);
+      h.mark_dirty();
+    }
+    if (e.mixed) {
+      for (size_t pi : st.pieces) {
+        const PieceState& p = e.pieces[pi];
+        {
+          ZINF_ASSIGN_OR_RETURN(TensorHandle h, e.store->acquire(p.master, Tier::kHost));
+          const std::vector<float> v = values(p.begin, p.end);
+          std::memcpy(h.data(), v.data(), v.size() * 4);
+          h.mark_dirty();
+        }
+        // Written to its home; the host copy written above is not kept.
+        if (st.opt_home != Tier::kHost) ZINF_RETURN_IF_ERROR(e.store->evict(p.master, Tier::kHost));
+      }
+    }
+    // Resident where they are used; the host copy written above is not kept.
+    if (s.param_home != Tier::kHost) {
+      { ZINF_ASSIGN_OR_RETURN(TensorHandle d, e.store->acquire(st.params, Tier::kDevice)); }
+      ZINF_RETURN_IF_ERROR(e.store->evict(st.params, Tier::kHost));
+    }
+    return Status::ok();
+  }
+
+ private:
+  EngineState& e;
+  OptimizerPipeline& optimizer;
+};
+
+}  // namespace
+
+Status build_engine(EngineState& e, OptimizerPipeline& optimizer) {
+  return Builder(e, optimizer).build();
+}
+
+}  // namespace zinf::engine_detail
