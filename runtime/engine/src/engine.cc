@@ -302,10 +302,10 @@ Result<TensorView> Engine::scope_grads(UnitScope& scope) {
         DeviceBuffer g,
         e.store->allocate_device(l.numel_padded * dtype_size(e.s.dtype), MemoryCategory::kGradients,
                                  "gradient buffer of " + name));
+    // Zeroed on the engine's stream: the model's operations on it come after in stream order,
+    // and the scope's end waits for the stream (and reports a failure) before reducing.
     e.device->fill({.data = g.data(), .dtype = DType::kF32, .numel = g.bytes() / 4}, 0.0f,
                    *e.stream);
-    ZINF_RETURN_IF_ERROR(
-        engine_detail::sync(*e.stream).with_context("zeroing the gradient buffer of " + name));
     scope.grads_ = std::move(g);
   }
   return TensorView(scope.grads_.data(), e.s.dtype, l.numel_padded,
