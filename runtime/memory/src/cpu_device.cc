@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "zinf/core/log.h"
 #include "zinf/core/units.h"
 #include "zinf/memory/device.h"
 
@@ -151,9 +152,10 @@ class Regions {
     regions_.erase(reinterpret_cast<uintptr_t>(base));
   }
   // Opens the allocations holding each of `ranges` (pointers outside the device are host
-  // memory and left alone); returns the bases opened, for close().
-  std::vector<uintptr_t> open(std::initializer_list<std::pair<const void*, uint64_t>> ranges) {
-    std::vector<uintptr_t> opened;
+  // memory and left alone), adding their bases to `opened` for close(). A failed mprotect is an
+  // error naming the allocation (what was opened stays in `opened`).
+  Status open(std::initializer_list<std::pair<const void*, uint64_t>> ranges,
+              std::vector<uintptr_t>& opened) {
     std::lock_guard lock(mu_);
     for (auto [p, bytes] : ranges) {
       if (p == nullptr || bytes == 0) continue;
@@ -163,17 +165,28 @@ class Regions {
       ZINF_CHECK(reinterpret_cast<uintptr_t>(p) + bytes <= it->first + it->second.bytes,
                  "an operand of {} bytes at {} runs past its device allocation ({} bytes at {:#x})",
                  bytes, p, it->second.bytes, it->first);
-      if (it->second.opens++ == 0) protect(it->first, it->second.bytes, PROT_READ | PROT_WRITE);
+      if (it->second.opens == 0 && !protect(it->first, it->second.bytes, PROT_READ | PROT_WRITE)) {
+        return make_error(ErrorCode::kInternal,
+                          "strict device: mprotect(PROT_READ|PROT_WRITE) of {} bytes at {:#x}: {}",
+                          it->second.bytes, it->first, std::strerror(errno));
+      }
+      ++it->second.opens;
       opened.push_back(it->first);
     }
-    return opened;
+    return Status::ok();
   }
   void close(const std::vector<uintptr_t>& opened) {
     std::lock_guard lock(mu_);
     for (uintptr_t base : opened) {
       auto it = regions_.find(base);
       if (it == regions_.end()) continue;  // freed while open: nothing left to protect
-      if (--it->second.opens == 0) protect(it->first, it->second.bytes, PROT_NONE);
+      // A failure to close again leaves the memory reachable: strictness is lost, not data.
+      if (--it->second.opens == 0 && !protect(it->first, it->second.bytes, PROT_NONE)) {
+        log::warn_once("cpu-strict:mprotect",
+                       fmt::format("strict device: mprotect(PROT_NONE) failed ({}): device "
+                                   "memory stays reachable to host code",
+                                   std::strerror(errno)));
+      }
     }
   }
 
@@ -188,11 +201,8 @@ class Regions {
     --it;
     return p < it->first + it->second.bytes ? it : regions_.end();
   }
-  static void protect(uintptr_t base, uint64_t bytes, int prot) {
-    // Failing here would leave host code free to touch device memory (or an operation unable
-    // to): a broken invariant, not a recoverable error.
-    ZINF_CHECK(::mprotect(reinterpret_cast<void*>(base), bytes, prot) == 0,
-               "mprotect of strict device memory failed: {}", std::strerror(errno));
+  static bool protect(uintptr_t base, uint64_t bytes, int prot) {
+    return ::mprotect(reinterpret_cast<void*>(base), bytes, prot) == 0;
   }
   std::mutex mu_;
   std::map<uintptr_t, Region> regions_;
@@ -327,7 +337,11 @@ class CpuDevice final : public Device {
 
   CommWindow comm_window(const void* data, uint64_t bytes) override {
     if (!options_.strict) return CommWindow();
-    std::vector<uintptr_t> opened = regions_.open({{data, bytes}});
+    std::vector<uintptr_t> opened;
+    if (Status s = regions_.open({{data, bytes}}, opened); !s.is_ok()) {
+      // The collective will fault on the memory it cannot reach; say why first.
+      log::warn_once("cpu-strict:window", s.message());
+    }
     return CommWindow([this, opened = std::move(opened)] { regions_.close(opened); });
   }
 
@@ -362,13 +376,14 @@ class CpuDevice final : public Device {
     std::vector<std::pair<const void*, uint64_t>> ops(operands);
     stream.enqueue([this, ops = std::move(ops), body = std::move(body)] {
       std::vector<uintptr_t> opened;
+      Status s;
       for (const auto& op : ops) {
-        std::vector<uintptr_t> one = regions_.open({op});
-        opened.insert(opened.end(), one.begin(), one.end());
+        s = regions_.open({op}, opened);
+        if (!s.is_ok()) break;
       }
-      body();
+      if (s.is_ok()) body();  // an operand it cannot reach: the operation fails, nothing runs
       regions_.close(opened);
-      return Status::ok();
+      return s;
     });
   }
 
