@@ -338,8 +338,8 @@ const Registration kTrain{
                           "NVMe read/write, CPU Adam)",
                           t::kTrace));
       sub.add_option("--log-json", a->log_json,
-                     "Write the effective settings ({\"settings\": ...}) and then one JSON object "
-                     "per step to this file");
+                     "Write the effective settings ({\"settings\": ...}), the budgets chosen "
+                     "({\"budgets\": ...}) and then one JSON object per step to this file");
       sub.add_option("--export", a->export_path, "Write the final fp32 weights (.safetensors)");
       sub.add_option("--sample", a->sample, "Generate this many bytes of text at the end");
       sub.add_flag("--quiet", a->quiet, "Print nothing but errors");
