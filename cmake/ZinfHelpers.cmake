@@ -17,7 +17,8 @@ endfunction()
 # zinf_test(NAME SOURCES ... DEPS ... LABELS ...)
 # One GoogleTest binary; every TEST in it becomes a ctest test carrying LABELS.
 # STRICT: every test also runs on the strict CPU device (ZINF_DEVICE=cpu-strict, names prefixed
-# "strict."), whose memory faults on any host access outside the device's operations.
+# "strict."), whose memory faults on any host access outside the device's operations. (PROPERTIES
+# are name/value pairs: a list value would be split, so each value here is a single word.)
 function(zinf_test name)
   cmake_parse_arguments(ARG "STRICT" "TIMEOUT" "SOURCES;DEPS;LABELS" ${ARGN})
   if(NOT ARG_TIMEOUT)
@@ -29,7 +30,7 @@ function(zinf_test name)
     PROPERTIES LABELS "${ARG_LABELS}" TIMEOUT ${ARG_TIMEOUT})
   if(ARG_STRICT)
     gtest_discover_tests(${name} DISCOVERY_TIMEOUT 60 TEST_PREFIX "strict."
-      PROPERTIES LABELS "${ARG_LABELS};strict" TIMEOUT ${ARG_TIMEOUT}
+      PROPERTIES LABELS "${ARG_LABELS}" TIMEOUT ${ARG_TIMEOUT}
                  ENVIRONMENT "ZINF_DEVICE=cpu-strict")
   endif()
 endfunction()
