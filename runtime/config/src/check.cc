@@ -1,5 +1,6 @@
 #include "check.h"
 
+#include <cmath>
 #include <string>
 
 namespace zinf::config::detail {
@@ -35,14 +36,20 @@ Status check_batch(const Config& c) {
 }
 
 Status check_optimizer(const OptimizerConfig& o) {
-  if (!(o.lr >= 0)) return invalid("optimizer.params.lr: expected a number >= 0, got {}", o.lr);
+  // NaN fails every comparison; infinity is refused by name (an infinite step is no step).
+  if (!(std::isfinite(o.lr) && o.lr >= 0)) {
+    return invalid("optimizer.params.lr: expected a finite number >= 0, got {}", o.lr);
+  }
   if (!(o.beta1 >= 0 && o.beta1 < 1) || !(o.beta2 >= 0 && o.beta2 < 1)) {
     return invalid("optimizer.params.betas: expected two numbers in [0, 1), got [{}, {}]", o.beta1,
                    o.beta2);
   }
-  if (!(o.eps > 0)) return invalid("optimizer.params.eps: expected a number > 0, got {}", o.eps);
-  if (!(o.weight_decay >= 0)) {
-    return invalid("optimizer.params.weight_decay: expected a number >= 0, got {}", o.weight_decay);
+  if (!(std::isfinite(o.eps) && o.eps > 0)) {
+    return invalid("optimizer.params.eps: expected a finite number > 0, got {}", o.eps);
+  }
+  if (!(std::isfinite(o.weight_decay) && o.weight_decay >= 0)) {
+    return invalid("optimizer.params.weight_decay: expected a finite number >= 0, got {}",
+                   o.weight_decay);
   }
   if (o.type == OptimizerConfig::Type::kAdamW && !o.adam_w_mode) {
     return invalid(
@@ -164,8 +171,8 @@ Status check_zinf(const ZinfConfig& z) {
 
 Status check_config(const Config& c) {
   ZINF_RETURN_IF_ERROR(check_batch(c));
-  if (!(c.gradient_clipping >= 0)) {
-    return invalid("gradient_clipping: expected a number >= 0 (0 = no clipping), got {}",
+  if (!(std::isfinite(c.gradient_clipping) && c.gradient_clipping >= 0)) {
+    return invalid("gradient_clipping: expected a finite number >= 0 (0 = no clipping), got {}",
                    c.gradient_clipping);
   }
   ZINF_RETURN_IF_ERROR(check_optimizer(c.optimizer));
