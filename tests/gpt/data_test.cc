@@ -2,6 +2,7 @@
 #include "zinf/gpt/data.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -67,6 +68,21 @@ TEST(GptData, FileErrorsAreClear) {
             ErrorCode::kInvalidArgument);
   EXPECT_EQ(short_text->sample_batch(0, 0, 0, 0, 2, tokens.data(), targets.data()).code(),
             ErrorCode::kInvalidArgument);
+}
+
+// Not regular files: refused at once, before opening (a FIFO would wait for a writer forever,
+// /dev/zero would be read until memory runs out).
+TEST(GptData, DevicesAndFifosAreRefused) {
+  TempDir dir;
+  auto zero = TextDataset::from_file("/dev/zero");
+  EXPECT_EQ(zero.status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(zero.status().message().find("not a regular file"), std::string::npos)
+      << zero.status().message();
+  const std::string fifo = (dir.path() / "fifo").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  auto f = TextDataset::from_file(fifo);
+  EXPECT_EQ(f.status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(f.status().message().find("fifo"), std::string::npos) << f.status().message();
 }
 
 TEST(GptData, BatchesAreNextByteWindowsAndDeterministic) {

@@ -14,14 +14,33 @@ namespace {
 
 namespace fs = std::filesystem;
 
+constexpr uint64_t kMaxTextBytes = uint64_t{4} << 30;  // the text is held in memory whole
+
 struct FileCloser {
   void operator()(std::FILE* f) const { std::fclose(f); }
 };
 
 Result<std::string> read_file(const std::string& path) {
+  // Only a regular file of bounded size: the text is read into memory whole, and opening a FIFO
+  // would wait for a writer forever (/dev/zero would never end). Checked before opening.
   std::error_code ec;
-  if (fs::is_directory(path, ec)) {
+  const fs::file_status st = fs::status(path, ec);
+  if (ec) return errno_status(ec.value(), fmt::format("cannot open text file {}", path));
+  if (fs::is_directory(st)) {
     return make_error(ErrorCode::kInvalidArgument, "text file {} is a directory", path);
+  }
+  if (!fs::is_regular_file(st)) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "text file {} is not a regular file (a device, FIFO or socket): give a file "
+                      "of text",
+                      path);
+  }
+  const uint64_t bytes = fs::file_size(path, ec);
+  if (!ec && bytes > kMaxTextBytes) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "text file {} has {} bytes; the trainer reads its text into memory and takes "
+                      "at most {}",
+                      path, bytes, kMaxTextBytes);
   }
   std::unique_ptr<std::FILE, FileCloser> f(std::fopen(path.c_str(), "rb"));
   if (!f) return errno_status(errno, fmt::format("cannot open text file {}", path));
