@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -142,6 +143,23 @@ TEST(Trainer, TraceHasOneTrackPerStreamOfWork) {
     EXPECT_TRUE(tracks.count(std::string("rank1 ") + t)) << t;
   }
   EXPECT_EQ(events_per_track.size(), tracks.size());  // every track has events
+}
+
+// A rank whose allocation the system refuses fails with an error naming the rank, and leaves no
+// swap file behind (an exception in a rank thread used to abort the process).
+TEST(Trainer, ARefusedAllocationIsAnErrorAndLeavesNoSwap) {
+  zinf::testing::TempDir nvme;
+  TrainOptions o = tiny_options();
+  o.batch = 2'000'000'000;  // 2e9 sequences: 128 GB of tokens
+  o.engine.stage = 3;
+  o.engine.param_home = Tier::kNvme;
+  o.engine.optimizer_home = Tier::kNvme;
+  o.engine.nvme_paths = {nvme.path()};
+  auto r = train(o);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(r.status().code(), ErrorCode::kOutOfMemory) << r.status().to_string();
+  EXPECT_NE(r.status().message().find("rank "), std::string::npos) << r.status().message();
+  EXPECT_TRUE(std::filesystem::is_empty(nvme.path())) << "swap files left in " << nvme.path();
 }
 
 TEST(Trainer, BadInputIsAClearError) {

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <new>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -292,6 +293,22 @@ Status run_rank(comm::Communicator& comm, const TrainOptions& o, const TextDatas
   return Status::ok();
 }
 
+// run_rank, with an exception (an allocation the system refused, say) turned into an error that
+// names the rank: a rank thread that threw would abort the process and leave its swap files.
+Status run_rank_guarded(comm::Communicator& comm, const TrainOptions& o, const TextDataset& data,
+                        Shared& shared, const StepCallback& on_step,
+                        const StartCallback& on_start) {
+  try {
+    return run_rank(comm, o, data, shared, on_step, on_start);
+  } catch (const std::bad_alloc&) {
+    return make_error(ErrorCode::kOutOfMemory,
+                      "rank {}: the system refused an allocation (batch {} x {} tokens, model {})",
+                      comm.rank(), o.batch, o.seq > 0 ? o.seq : o.model.seq, o.model_name);
+  } catch (const std::exception& e) {
+    return make_error(ErrorCode::kInternal, "rank {}: {}", comm.rank(), e.what());
+  }
+}
+
 }  // namespace
 
 Status check_train_options(const TrainOptions& o) {
@@ -366,7 +383,7 @@ Result<TrainReport> train(const TrainOptions& o, const StepCallback& on_step,
     ZINF_ASSIGN_OR_RETURN(auto comm, comm::make_mpi_communicator());
     shared.memory.resize(comm->world_size());
     shared.report.world = comm->world_size();
-    status.push_back(run_rank(*comm, o, data, shared, on_step, on_start));
+    status.push_back(run_rank_guarded(*comm, o, data, shared, on_step, on_start));
   } else {
     ZINF_ASSIGN_OR_RETURN(auto group, comm::make_local_group(o.ranks));
     shared.memory.resize(o.ranks);
@@ -375,7 +392,7 @@ Result<TrainReport> train(const TrainOptions& o, const StepCallback& on_step,
     std::vector<std::thread> threads;
     for (int r = 0; r < o.ranks; ++r) {
       threads.emplace_back(
-          [&, r] { status[r] = run_rank(*group[r], o, data, shared, on_step, on_start); });
+          [&, r] { status[r] = run_rank_guarded(*group[r], o, data, shared, on_step, on_start); });
     }
     for (auto& t : threads) t.join();
   }
