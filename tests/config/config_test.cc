@@ -3,6 +3,7 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 #include <spdlog/sinks/ostream_sink.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <memory>
@@ -630,6 +631,32 @@ TEST(Config, LoadConfigNamesAMissingOrUnreadableFile) {
   c = load_config(data_path(""));  // a directory
   ASSERT_FALSE(c.is_ok());
   EXPECT_THAT(c.status().message(), HasSubstr(ZINF_CONFIG_TEST_DATA));
+}
+
+// Hostile documents: bounded depth, numbers out of range named, FIFOs refused without waiting.
+TEST(Config, DeepNestingAndHugeNumbersAreClearErrors) {
+  std::string deep;
+  for (int i = 0; i < 20000; ++i) deep += R"({"a":)";
+  deep += "1";
+  deep.append(20000, '}');
+  Result<Config> c = parse_config_text(deep);
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_EQ(c.status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_THAT(c.status().message(), HasSubstr("deeper than 64 levels"));
+
+  c = parse_config_text(R"({"optimizer": {"type": "Adam", "params": {"lr": 1e400}}})");
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_EQ(c.status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_THAT(c.status().message(), HasSubstr("config is not valid: number overflow"));
+  EXPECT_THAT(c.status().message(), HasSubstr("1e400"));
+
+  const std::string fifo = ::testing::TempDir() + "/zinf_config_fifo";
+  std::remove(fifo.c_str());
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  c = load_config(fifo);  // returns at once: nothing waits for a writer
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_THAT(c.status().message(), HasSubstr("is not a regular file"));
+  std::remove(fifo.c_str());
 }
 
 TEST(Config, LoadConfigPutsTheFileInFrontOfAValueError) {

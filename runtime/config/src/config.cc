@@ -4,6 +4,7 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -494,7 +495,13 @@ Status read_top(ObjectReader& top, Config& c) {
 // silently keep the last. The parser callback sees every key; the first duplicate is remembered.
 class DuplicateKeyFinder {
  public:
-  bool operator()(int /*depth*/, json::parse_event_t event, json& parsed) {
+  // DeepSpeed's configs nest a few levels; a deeper document is refused while it is parsed (each
+  // level would cost this finder a frame and a path).
+  static constexpr int kMaxDepth = 64;
+  struct TooDeep {};
+
+  bool operator()(int depth, json::parse_event_t event, json& parsed) {
+    if (depth > kMaxDepth) throw TooDeep{};
     switch (event) {
       case json::parse_event_t::object_start:
         frames_.push_back({path_of_child(), {}, {}});
@@ -653,6 +660,16 @@ Result<Config> parse_config_text(std::string_view text) {
     }
     return make_error(ErrorCode::kInvalidArgument,
                       "config is not valid JSON: line {}, column {}: {}", line, column, what);
+  } catch (const DuplicateKeyFinder::TooDeep&) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "config nests objects and arrays deeper than {} levels",
+                      DuplicateKeyFinder::kMaxDepth);
+  } catch (const json::exception& e) {  // a number out of range (1e400), and the like
+    std::string_view what = e.what();
+    if (size_t bracket = what.find("] "); bracket != std::string_view::npos) {
+      what.remove_prefix(bracket + 2);
+    }
+    return make_error(ErrorCode::kInvalidArgument, "config is not valid: {}", what);
   }
   if (!duplicates.duplicate().empty()) {
     return make_error(ErrorCode::kInvalidArgument,
@@ -662,12 +679,25 @@ Result<Config> parse_config_text(std::string_view text) {
   return parse_config(j);
 }
 
+constexpr size_t kMaxConfigBytes = size_t{16} << 20;
+
 Result<Config> load_config(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO must not wait for a writer (it is refused just below).
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return errno_status(errno, fmt::format("cannot open config file {}", path));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return make_error(ErrorCode::kInvalidArgument, "config file {} is not a regular file", path);
+  }
   std::string text;
   char chunk[65536];
   for (;;) {
+    if (text.size() > kMaxConfigBytes) {  // a config is a few KiB; this is not one
+      ::close(fd);
+      return make_error(ErrorCode::kInvalidArgument, "config file {} is larger than {} bytes", path,
+                        kMaxConfigBytes);
+    }
     ssize_t n = ::read(fd, chunk, sizeof chunk);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) {
