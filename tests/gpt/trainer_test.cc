@@ -3,6 +3,7 @@
 #include "zinf/gpt/trainer.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <filesystem>
@@ -116,6 +117,25 @@ TEST(Trainer, ExportsSafetensorsAndSamples) {
   EXPECT_EQ(total, static_cast<uint64_t>(parameter_count(o.model)) * 4);
   in.seekg(0, std::ios::end);
   EXPECT_EQ(static_cast<uint64_t>(in.tellg()), 8 + n + total);
+}
+
+// The export never writes through a symlink planted under its partial name, and leaves no
+// partial file behind.
+TEST(Trainer, ExportDoesNotFollowAPlantedSymlink) {
+  zinf::testing::TempDir dir;
+  const std::string target = dir.file("victim.txt");
+  std::ofstream(target) << "precious";
+  const std::string out = dir.file("model.safetensors");
+  ASSERT_EQ(::symlink(target.c_str(), (out + ".partial").c_str()), 0);
+  ASSERT_TRUE(write_safetensors(out, {{"w", {2}, {1.0f, 2.0f}}}).is_ok());
+  std::ifstream victim(target);
+  std::string text((std::istreambuf_iterator<char>(victim)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(text, "precious");
+  EXPECT_FALSE(std::filesystem::exists(out + ".partial"));
+  std::ifstream in(out, std::ios::binary);
+  uint64_t n = 0;
+  in.read(reinterpret_cast<char*>(&n), 8);
+  EXPECT_EQ(std::filesystem::file_size(out), 8 + n + 8);  // header, then two floats
 }
 
 TEST(Trainer, TraceHasOneTrackPerStreamOfWork) {

@@ -1,12 +1,14 @@
 #include "zinf/gpt/trainer.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <map>
 #include <mutex>
 #include <new>
@@ -429,22 +431,41 @@ Status write_safetensors(const std::string& path, const std::vector<NamedTensor>
   header["__metadata__"] = {{"format", "pt"}, {"producer", "zinf"}};
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');  // keep the data 8-byte aligned
-  std::string tmp = path + ".partial";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) return errno_status(errno, fmt::format("cannot write {}", tmp));
-    uint64_t n = text.size();
-    out.write(reinterpret_cast<const char*>(&n), 8);
-    out.write(text.data(), static_cast<std::streamsize>(text.size()));
-    for (const NamedTensor& t : tensors) {
-      out.write(reinterpret_cast<const char*>(t.data.data()),
-                static_cast<std::streamsize>(t.data.size() * 4));
+  // Written under `<path>.partial` and renamed: a reader never sees half a file. The partial
+  // file is created fresh (O_EXCL: never through a symlink planted under its name, which is
+  // removed as a stale partial would be), written whole, synced, then renamed over `path`.
+  const std::string tmp = path + ".partial";
+  struct stat st {};
+  if (::lstat(tmp.c_str(), &st) == 0 && !S_ISDIR(st.st_mode)) (void)::unlink(tmp.c_str());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+  if (fd < 0) return errno_status(errno, fmt::format("cannot create {}", tmp));
+  auto write_all = [fd](const void* data, uint64_t bytes) -> int {
+    const char* p = static_cast<const char*>(data);
+    while (bytes > 0) {
+      const ssize_t n = ::write(fd, p, bytes);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return n < 0 ? errno : EIO;
+      p += n;
+      bytes -= static_cast<uint64_t>(n);
     }
-    out.flush();
-    if (!out) return errno_status(errno, fmt::format("error writing {}", tmp));
+    return 0;
+  };
+  const uint64_t n = text.size();
+  int err = write_all(&n, 8);
+  if (err == 0) err = write_all(text.data(), text.size());
+  for (const NamedTensor& t : tensors) {
+    if (err == 0) err = write_all(t.data.data(), t.data.size() * 4);
+  }
+  if (err == 0 && ::fsync(fd) != 0) err = errno;
+  if (::close(fd) != 0 && err == 0) err = errno;
+  if (err != 0) {
+    (void)::unlink(tmp.c_str());
+    return errno_status(err, fmt::format("error writing {}", tmp));
   }
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    return errno_status(errno, fmt::format("cannot move {} to {}", tmp, path));
+    err = errno;
+    (void)::unlink(tmp.c_str());
+    return errno_status(err, fmt::format("cannot move {} to {}", tmp, path));
   }
   return Status::ok();
 }
