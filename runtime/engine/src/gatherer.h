@@ -4,7 +4,8 @@
 //  - Sharded parameters (stage 3): the shards are all-gathered into a transient buffer, on demand
 //    or ahead of the use along the recorded trace (sched::Scheduler), and the unit is kept gathered
 //    while the trace says it is used again soon (or is persistent). Every decision depends on the
-//    trace and the sizes only, so every rank issues the same all-gathers in the same order.
+//    trace, the sizes and the device budget only (the ranks agree on the budget when it is built),
+//    so every rank issues the same all-gathers in the same order.
 //  - After a committed step, with StagePolicy::share_updated_params (stages 1-2), every rank's
 //    updated shard is all-gathered into every rank's full parameters.
 // A unit whose all-gather is in flight owns its buffers until the gather completes: drop() and
