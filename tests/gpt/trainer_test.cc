@@ -35,17 +35,24 @@ struct Mode {
   Tier params, optimizer;
 };
 
+// Every stage, and every offload mode stage 3 allows.
+constexpr Mode kModes[] = {{0, Tier::kDevice, Tier::kDevice}, {1, Tier::kDevice, Tier::kHost},
+                           {2, Tier::kDevice, Tier::kNvme},   {3, Tier::kDevice, Tier::kDevice},
+                           {3, Tier::kHost, Tier::kHost},     {3, Tier::kNvme, Tier::kNvme}};
+
+TrainOptions options_for(const Mode& m, const std::string& nvme_path) {
+  TrainOptions o = tiny_options();
+  o.engine.stage = m.stage;
+  o.engine.param_home = m.params;
+  o.engine.optimizer_home = m.optimizer;
+  o.engine.nvme_paths = {nvme_path};
+  return o;
+}
+
 TEST(Trainer, TinyLearnsInEveryStageAndOffloadMode) {
   zinf::testing::TempDir nvme;
-  const Mode modes[] = {{0, Tier::kDevice, Tier::kDevice}, {1, Tier::kDevice, Tier::kHost},
-                        {2, Tier::kDevice, Tier::kNvme},   {3, Tier::kDevice, Tier::kDevice},
-                        {3, Tier::kHost, Tier::kHost},     {3, Tier::kNvme, Tier::kNvme}};
-  for (const Mode& m : modes) {
-    TrainOptions o = tiny_options();
-    o.engine.stage = m.stage;
-    o.engine.param_home = m.params;
-    o.engine.optimizer_home = m.optimizer;
-    o.engine.nvme_paths = {nvme.path()};
+  for (const Mode& m : kModes) {
+    TrainOptions o = options_for(m, nvme.path());
     auto r = train(o);
     ASSERT_TRUE(r.is_ok()) << r.status().to_string();
     EXPECT_LT(r->final_loss, r->initial_loss - 0.5)
@@ -63,15 +70,8 @@ TEST(Trainer, TinyLearnsInEveryStageAndOffloadMode) {
 // scaling): the GPT learns as in fp32, in every stage and offload mode, at 2 ranks.
 TEST(Trainer, TinyLearnsInBf16AndFp16InEveryStageAndOffloadMode) {
   zinf::testing::TempDir nvme;
-  const Mode modes[] = {{0, Tier::kDevice, Tier::kDevice}, {1, Tier::kDevice, Tier::kHost},
-                        {2, Tier::kDevice, Tier::kNvme},   {3, Tier::kDevice, Tier::kDevice},
-                        {3, Tier::kHost, Tier::kHost},     {3, Tier::kNvme, Tier::kNvme}};
-  for (const Mode& m : modes) {
-    TrainOptions o = tiny_options();
-    o.engine.stage = m.stage;
-    o.engine.param_home = m.params;
-    o.engine.optimizer_home = m.optimizer;
-    o.engine.nvme_paths = {nvme.path()};
+  for (const Mode& m : kModes) {
+    TrainOptions o = options_for(m, nvme.path());
     auto fp32 = train(o);
     ASSERT_TRUE(fp32.is_ok()) << fp32.status().to_string();
     for (DType dt : {DType::kBF16, DType::kF16}) {
