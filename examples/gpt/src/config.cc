@@ -5,6 +5,7 @@
 
 #include <array>
 
+#include "zinf/core/units.h"
 #include "zinf/gpt/params.h"
 
 namespace zinf::gpt {
@@ -75,10 +76,7 @@ int64_t parameter_count(const GptConfig& cfg) {
 }
 
 std::string describe(const GptConfig& cfg) {
-  const double n = static_cast<double>(parameter_count(cfg));
-  std::string count = n >= 1e9   ? fmt::format("{:.2f} B", n / 1e9)
-                      : n >= 1e6 ? fmt::format("{:.2f} M", n / 1e6)
-                                 : fmt::format("{:.1f} K", n / 1e3);
+  const std::string count = format_count(static_cast<double>(parameter_count(cfg)));
   return fmt::format("L={} D={} H={} T={} V={} ({} parameters)", cfg.layers, cfg.dim, cfg.heads,
                      cfg.seq, cfg.vocab, count);
 }

@@ -76,4 +76,10 @@ std::string format_rate(double bytes_per_s) {
   return fmt::format("{:.2f} {}", bytes_per_s, units[u]);
 }
 
+std::string format_count(double n) {
+  if (n >= 1e9) return fmt::format("{:.2f} B", n / 1e9);
+  if (n >= 1e6) return fmt::format("{:.2f} M", n / 1e6);
+  return fmt::format("{:.1f} K", n / 1e3);
+}
+
 }  // namespace zinf

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "state_sizes.h"
 #include "zinf/core/units.h"
 #include "zinf/engine/budgets.h"
 #include "zinf/kernels/cpu_adam.h"
@@ -10,8 +11,6 @@
 
 namespace zinf::engine_detail {
 namespace {
-
-constexpr uint32_t kStoreMovers = 2;  // the store's mover threads (each has a staging lane)
 
 class Builder {
  public:
@@ -42,56 +41,16 @@ class Builder {
     return Status::ok();
   }
 
-  // Partial offload (DeepSpeed's Twin-Flow `ratio`): the first units, in declaration order,
-  // holding about `ratio` of the parameters have their optimizer state offloaded; the others keep
-  // it on the device and are updated there. Whole units: the optimizer's home of each.
-  std::vector<Tier> optimizer_homes(const std::vector<zero::ShardLayout>& layouts) const {
-    const EngineSettings& s = e.s;
-    uint64_t total_numel = 0, offloaded_numel = 0;
-    for (const auto& l : layouts) total_numel += l.numel;
-    std::vector<Tier> homes;
-    for (const auto& l : layouts) {
-      const bool offload = s.optimizer_home != Tier::kDevice &&
-                           static_cast<double>(offloaded_numel) + l.numel / 2.0 <=
-                               s.optimizer_offload_ratio * static_cast<double>(total_numel);
-      if (offload) offloaded_numel += l.numel;
-      homes.push_back(offload ? s.optimizer_home : Tier::kDevice);
-    }
-    return homes;
-  }
-
   // Resolves automatic budgets (device_mem / host_mem 0) into e.s from the model's sizes and the
   // machine (zinf/engine/budgets.h); explicit ones are kept. Every rank then takes the smallest
   // of the ranks' budgets: the scheduler's decisions depend on the device budget, and every rank
   // must issue the same all-gathers (MemAvailable differs between ranks and over time).
   Status choose_budgets_for(const std::vector<zero::ShardLayout>& layouts,
-                            const std::vector<Tier>& opt_homes, bool nvme) {
+                            const std::vector<Tier>& opt_homes) {
     const EngineSettings& s = e.s;
-    const uint64_t wsize = dtype_size(s.dtype);
-    e.staging_total = nvme ? uint64_t{kStoreMovers + 1} * std::max<uint32_t>(s.staging_buffers, 2) *
-                                 s.staging_bytes
-                           : 0;
-    StateSizes z{.staging_bytes = e.staging_total,
-                 .optimizer_offloaded = s.optimizer_home != Tier::kDevice,
-                 .world = e.world,
-                 .nvme = nvme,
-                 .params_offloaded = s.param_home != Tier::kDevice};
-    for (size_t u = 0; u < layouts.size(); ++u) {
-      const zero::ShardLayout& l = layouts[u];
-      z.largest_unit_elements = std::max(z.largest_unit_elements, l.numel_padded);
-      z.total_unit_elements += l.numel_padded;
-      const uint64_t params = e.policy.param_elements(l) * wsize;
-      e.largest_param_bytes = std::max(e.largest_param_bytes, params);
-      if (s.param_home == Tier::kDevice) z.device_home_bytes += params;
-      if (s.param_home == Tier::kHost) z.host_home_bytes += params;
-      // fp32 m, v, gradient accumulator (and master when mixed) of the elements this rank owns,
-      // where the unit's optimizer lives.
-      const uint64_t opt_bytes =
-          e.policy.owned_elements(l) * (e.mixed ? 12 : 8) + e.policy.accumulator_elements(l) * 4;
-      if (opt_homes[u] == Tier::kDevice) z.device_home_bytes += opt_bytes;
-      if (opt_homes[u] == Tier::kHost) z.host_home_bytes += opt_bytes;
-    }
-    z.largest_param_bytes = e.largest_param_bytes;
+    const StateSizes z = measure_state(s, e.policy, layouts, opt_homes, e.world);
+    e.staging_total = z.staging_bytes;
+    e.largest_param_bytes = z.largest_param_bytes;
     MachineMemory machine{.total_bytes = uint64_t{1} << 40, .available_bytes = uint64_t{1} << 40};
     if (s.device_mem == 0 || s.host_mem == 0) {
       ZINF_ASSIGN_OR_RETURN(machine, read_machine_memory());
@@ -160,8 +119,8 @@ class Builder {
       layouts.push_back(std::move(l));
     }
     const bool nvme = s.param_home == Tier::kNvme || s.optimizer_home == Tier::kNvme;
-    const std::vector<Tier> opt_homes = optimizer_homes(layouts);
-    ZINF_RETURN_IF_ERROR(choose_budgets_for(layouts, opt_homes, nvme));
+    const std::vector<Tier> opt_homes = optimizer_homes(s, layouts);
+    ZINF_RETURN_IF_ERROR(choose_budgets_for(layouts, opt_homes));
     ZINF_RETURN_IF_ERROR(open_tiers(nvme));
 
     // The scheduler: its live bound is also held to what fits in the device budget beside the

@@ -13,6 +13,7 @@ namespace zinf {
 Result<uint64_t> parse_bytes(std::string_view text);
 std::string format_bytes(double bytes);       // "1.50 GiB"
 std::string format_rate(double bytes_per_s);  // "1.23 GB/s" (decimal, as fio prints)
+std::string format_count(double n);           // "834.3 K", "2.05 B" (parameters)
 
 constexpr uint64_t align_up(uint64_t value, uint64_t alignment) {
   return (value + alignment - 1) / alignment * alignment;

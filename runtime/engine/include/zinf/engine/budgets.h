@@ -53,6 +53,7 @@ struct StateSizes {
   uint64_t total_unit_elements = 0;    // sum of numel_padded over units
   uint64_t device_home_bytes = 0;      // state homed on the device (parameters, optimizer)
   uint64_t host_home_bytes = 0;        // state homed in host memory
+  uint64_t nvme_home_bytes = 0;        // state homed on NVMe
   uint64_t staging_bytes = 0;          // the store's staging buffers (from the host budget)
   // This rank's largest parameter tensor (a stage-3 shard, or a whole unit): the CPU optimizer
   // holds two of them in host memory (one updated, the next read ahead).
