@@ -12,7 +12,7 @@ namespace zinf::cli {
 namespace {
 
 struct Args {
-  std::string path;
+  std::vector<std::string> paths;
   std::string size = "1G";
   std::string block_size = "1M";
   int64_t queue_depth = 32;
@@ -24,7 +24,7 @@ struct Args {
 
 void run(const Args& a) {
   io::IoBenchOptions o;
-  o.directory = a.path;
+  o.directories = a.paths;
   o.size = bytes_flag("--size", a.size);
   o.block_size = bytes_flag("--block-size", a.block_size);
   if (a.queue_depth <= 0) throw CliError("--queue-depth must be at least 1", 2);
@@ -64,12 +64,14 @@ void run(const Args& a) {
                         {"direct", r->direct},
                         {"fixed_buffers", o.fixed_buffers},
                         {"verified_bytes", r->verified_sectors * 4096},
-                        {"path", a.path}};
+                        {"paths", a.paths}};
     std::printf("%s\n", j.dump().c_str());
     return;
   }
+  std::string paths;
+  for (const std::string& p : a.paths) paths += (paths.empty() ? "" : " + ") + p;
   std::printf("zinf bench io: %s %s on %s (%s, io_uring)\n", a.rw.c_str(),
-              format_bytes(static_cast<double>(o.size)).c_str(), a.path.c_str(),
+              format_bytes(static_cast<double>(o.size)).c_str(), paths.c_str(),
               r->direct ? "O_DIRECT" : "buffered: O_DIRECT refused");
   std::printf("  %-11s %-12s %-8s %-9s %-13s %s\n", "block size", "queue depth", "threads",
               "seconds", "throughput", "IOPS");
@@ -84,7 +86,9 @@ const Registration kBenchIo{
     "bench", "io", "Measure read/write throughput of a path through zinf's io_uring engine",
     [](CLI::App& sub) {
       auto a = std::make_shared<Args>();
-      sub.add_option("--path", a->path, "Directory to test (a file is created and removed)")
+      sub.add_option("--path", a->paths,
+                     "Directory to test (a file is created and removed); repeatable: blocks are "
+                     "striped across the directories' files")
           ->required();
       sub.add_option("--size", a->size, "Bytes to transfer, e.g. 4G (default 1G)");
       sub.add_option("--block-size", a->block_size,

@@ -67,7 +67,7 @@ void run(const Args& a) {
     throw CliError("--staging must be a positive multiple of 1M", 2);
   }
   if (a.queue_depth < 1 || a.runs < 1) throw CliError("--queue-depth and --runs must be >= 1", 2);
-  io::IoBenchOptions io_opts{.directory = a.path,
+  io::IoBenchOptions io_opts{.directories = {a.path},
                              .size = total,
                              .block_size = 1 << 20,
                              .queue_depth = static_cast<uint32_t>(a.queue_depth),

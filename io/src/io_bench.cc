@@ -46,12 +46,13 @@ uint64_t check_block(const std::byte* buf, uint64_t block_bytes, uint64_t offset
   return bad;
 }
 
-// One pass over the file with `queue_depth` blocks in flight per thread region.
+// One pass over the files with `queue_depth` blocks in flight per thread region; block i lives in
+// file i mod n at offset (i / n) * block_size.
 class Pass {
  public:
-  Pass(IoEngine& engine, const File& file, const IoBenchOptions& o, bool write, bool random,
-       std::vector<AlignedBuffer>& slots)
-      : engine_(engine), file_(file), o_(o), write_(write), slots_(slots) {
+  Pass(IoEngine& engine, const std::vector<File>& files, const IoBenchOptions& o, bool write,
+       bool random, std::vector<AlignedBuffer>& slots)
+      : engine_(engine), files_(files), o_(o), write_(write), slots_(slots) {
     const uint64_t blocks = o.size / o.block_size;
     const uint64_t per_thread = blocks / o.threads;
     std::mt19937_64 rng(o.seed);
@@ -87,8 +88,8 @@ class Pass {
     if (!error_.is_ok()) return error_;
     if (bad_sectors_ > 0) {
       return make_error(ErrorCode::kCorrupt,
-                        "{}: {} sectors read back did not hold what was written", file_.path(),
-                        bad_sectors_.load());
+                        "{}: {} sectors read back did not hold what was written",
+                        files_.front().path(), bad_sectors_.load());
     }
     return Status::ok();
   }
@@ -111,21 +112,23 @@ class Pass {
       retire();
       return;
     }
-    uint64_t offset = r.order[i] * o_.block_size;
+    const uint64_t n = files_.size();
+    const File& file = files_[r.order[i] % n];
+    const uint64_t offset = r.order[i] / n * o_.block_size;
+    const uint64_t seed = o_.seed + r.order[i] % n;  // a stamp names the file too
     std::byte* buf = slots_[s].data();
-    if (write_) stamp_block(buf, o_.block_size, offset, o_.seed);
+    if (write_) stamp_block(buf, o_.block_size, offset, seed);
     Status st = engine_.submit(IoRequest{.op = write_ ? IoOp::kWrite : IoOp::kRead,
-                                         .file = &file_,
+                                         .file = &file,
                                          .offset = offset,
                                          .buffer = buf,
                                          .length = o_.block_size},
-                               [this, t, s, offset, buf](Status result) {
+                               [this, t, s, offset, seed, buf](Status result) {
                                  if (!result.is_ok()) {
                                    fail(std::move(result));
                                  } else {
                                    if (!write_) {
-                                     bad_sectors_ +=
-                                         check_block(buf, o_.block_size, offset, o_.seed);
+                                     bad_sectors_ += check_block(buf, o_.block_size, offset, seed);
                                      verified_ += o_.block_size / kSector;
                                    }
                                    done_bytes_ += o_.block_size;
@@ -153,7 +156,7 @@ class Pass {
   }
 
   IoEngine& engine_;
-  const File& file_;
+  const std::vector<File>& files_;
   const IoBenchOptions& o_;
   bool write_;
   std::vector<AlignedBuffer>& slots_;
@@ -225,23 +228,36 @@ Status validate_io_bench(const IoBenchOptions& o) {
     return make_error(ErrorCode::kInvalidArgument,
                       "block size x queue depth x threads needs more than 8 GiB of buffers");
   }
-  struct stat st {};
-  if (::stat(o.directory.c_str(), &st) != 0) {
-    return errno_status(errno, fmt::format("path {} is not usable", o.directory));
+  if (o.directories.empty()) {
+    return make_error(ErrorCode::kInvalidArgument, "no directory to benchmark");
   }
-  if (!S_ISDIR(st.st_mode)) {
-    return make_error(ErrorCode::kInvalidArgument, "path {} is not a directory", o.directory);
-  }
-  if (::access(o.directory.c_str(), W_OK | X_OK) != 0) {
-    return errno_status(errno, fmt::format("path {} is not writable", o.directory));
-  }
-  struct statvfs vfs {};
-  if (::statvfs(o.directory.c_str(), &vfs) == 0) {
-    uint64_t avail = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
-    if (avail < o.size) {
-      return make_error(ErrorCode::kNoSpace, "path {} has {} free, the benchmark needs {}",
-                        o.directory, format_bytes(static_cast<double>(avail)),
-                        format_bytes(static_cast<double>(o.size)));
+  const uint64_t per_file =
+      align_up(o.size / o.block_size, o.directories.size()) / o.directories.size() * o.block_size;
+  for (const std::string& dir : o.directories) {
+    struct stat st {};
+    if (::stat(dir.c_str(), &st) != 0) {
+      return errno_status(errno, fmt::format("path {} is not usable", dir));
+    }
+    if (!S_ISDIR(st.st_mode)) {
+      return make_error(ErrorCode::kInvalidArgument, "path {} is not a directory", dir);
+    }
+    if (::access(dir.c_str(), W_OK | X_OK) != 0) {
+      return errno_status(errno, fmt::format("path {} is not writable", dir));
+    }
+    struct statvfs vfs {};
+    if (::statvfs(dir.c_str(), &vfs) == 0) {
+      const uint64_t avail = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+      // Directories on one file system share its free space.
+      uint64_t needed = 0;
+      for (const std::string& other : o.directories) {
+        struct stat ost {};
+        if (::stat(other.c_str(), &ost) == 0 && ost.st_dev == st.st_dev) needed += per_file;
+      }
+      if (avail < needed) {
+        return make_error(ErrorCode::kNoSpace, "path {} has {} free, the benchmark needs {}", dir,
+                          format_bytes(static_cast<double>(avail)),
+                          format_bytes(static_cast<double>(needed)));
+      }
     }
   }
   return Status::ok();
@@ -250,26 +266,39 @@ Status validate_io_bench(const IoBenchOptions& o) {
 Result<IoBenchResult> run_io_bench(const IoBenchOptions& o, const IoBenchProgress& progress) {
   ZINF_RETURN_IF_ERROR(validate_io_bench(o));
   IoBenchResult result;
-  result.file = fmt::format("{}/zinf-bench-{}.dat", o.directory, ::getpid());
-  ZINF_ASSIGN_OR_RETURN(File file, File::open(result.file, {.create = true, .exclusive = true}));
-  // Removes the file on every path out of here.
+  const uint64_t n = o.directories.size();
+  const uint64_t per_file = align_up(o.size / o.block_size, n) / n * o.block_size;
+  // Removes the files on every path out of here.
   struct Remove {
-    std::string path;
-    ~Remove() { ::unlink(path.c_str()); }
-  } remove{result.file};
-  result.direct = file.direct();
-  if (o.block_size % file.offset_alignment() != 0) {
-    return make_error(ErrorCode::kInvalidArgument,
-                      "block size {} is not a multiple of the {}-byte alignment of {}",
-                      o.block_size, file.offset_alignment(), result.file);
+    std::vector<std::string> paths;
+    ~Remove() {
+      for (const std::string& p : paths) ::unlink(p.c_str());
+    }
+  } remove;
+  std::vector<File> files;
+  result.direct = true;
+  for (uint64_t i = 0; i < n; ++i) {
+    const std::string path =
+        n == 1 ? fmt::format("{}/zinf-bench-{}.dat", o.directories[i], ::getpid())
+               : fmt::format("{}/zinf-bench-{}-{}.dat", o.directories[i], ::getpid(), i);
+    ZINF_ASSIGN_OR_RETURN(File file, File::open(path, {.create = true, .exclusive = true}));
+    remove.paths.push_back(path);
+    result.files.push_back(path);
+    result.direct = result.direct && file.direct();
+    if (o.block_size % file.offset_alignment() != 0) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "block size {} is not a multiple of the {}-byte alignment of {}",
+                        o.block_size, file.offset_alignment(), path);
+    }
+    ZINF_RETURN_IF_ERROR(file.preallocate(0, per_file));
+    files.push_back(std::move(file));
   }
-  ZINF_RETURN_IF_ERROR(file.preallocate(0, o.size));
 
   ZINF_ASSIGN_OR_RETURN(auto engine, IoEngine::create({.queue_depth = o.queue_depth,
                                                        .block_size = o.block_size,
                                                        .rings = o.threads,
                                                        .fixed_buffers = o.fixed_buffers}));
-  ZINF_RETURN_IF_ERROR(engine->register_file(file));
+  for (const File& file : files) ZINF_RETURN_IF_ERROR(engine->register_file(file));
   std::vector<AlignedBuffer> slots;
   std::vector<int> registered;
   for (uint32_t i = 0; i < o.threads * o.queue_depth; ++i) {
@@ -289,22 +318,25 @@ Result<IoBenchResult> run_io_bench(const IoBenchOptions& o, const IoBenchProgres
   bool random = o.pattern == BenchPattern::kRandRead || o.pattern == BenchPattern::kRandWrite;
   double seconds = 0;
   if (!write) {  // lay the file out first (untimed), as fio does
-    Pass layout(*engine, file, o, /*write=*/true, /*random=*/false, slots);
+    Pass layout(*engine, files, o, /*write=*/true, /*random=*/false, slots);
     ZINF_RETURN_IF_ERROR(layout.run("layout", progress, &seconds));
   }
-  Pass timed(*engine, file, o, write, random, slots);
+  Pass timed(*engine, files, o, write, random, slots);
   ZINF_RETURN_IF_ERROR(timed.run(pattern_name(o.pattern), progress, &seconds));
   result.seconds = seconds;
   result.verified_sectors = timed.verified_sectors();
   if (write) {  // read back what was written (untimed)
     double verify_seconds = 0;
-    Pass verify(*engine, file, o, /*write=*/false, /*random=*/false, slots);
+    Pass verify(*engine, files, o, /*write=*/false, /*random=*/false, slots);
     ZINF_RETURN_IF_ERROR(verify.run("verify", progress, &verify_seconds));
     result.verified_sectors = verify.verified_sectors();
+    if (o.time_read_back && verify_seconds > 0) {
+      result.read_back_bytes_per_s = static_cast<double>(o.size) / verify_seconds;
+    }
   }
   engine->drain();
   for (int slot : registered) (void)engine->unregister_buffer(slot);
-  (void)engine->unregister_file(file);
+  for (const File& file : files) (void)engine->unregister_file(file);
   result.bytes = o.size;
   result.bytes_per_s = seconds > 0 ? static_cast<double>(o.size) / seconds : 0;
   result.iops = seconds > 0 ? static_cast<double>(o.size / o.block_size) / seconds : 0;

@@ -160,6 +160,10 @@ Status check_aio(const AioConfig& a) {
 
 Status check_zinf(const ZinfConfig& z) {
   constexpr uint64_t kStagingAlignment = 1ull << 20;
+  if (z.optimizer_threads < 0 || z.optimizer_threads > 4096) {
+    return invalid("zinf.optimizer_threads: expected 0 (all cores) .. 4096, got {}",
+                   z.optimizer_threads);
+  }
   if (z.staging_bytes == 0 || z.staging_bytes % kStagingAlignment != 0) {
     return invalid("zinf.staging_bytes: expected a positive multiple of 1 MiB (1048576), got {}",
                    z.staging_bytes);

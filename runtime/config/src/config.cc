@@ -413,6 +413,8 @@ Status read_zinf(ObjectReader& r, ZinfConfig& z) {
   ZINF_RETURN_IF_ERROR(r.read_bool("checksum", z.checksum));
   ZINF_RETURN_IF_ERROR(r.read_bytes("staging_bytes", z.staging_bytes));
   ZINF_RETURN_IF_ERROR(r.read_bool("overlap_optimizer", z.overlap_optimizer));
+  ZINF_RETURN_IF_ERROR(r.read_int("optimizer_threads", z.optimizer_threads));
+  ZINF_RETURN_IF_ERROR(r.read_bool("io_fixed_buffers", z.io_fixed_buffers));
   r.finish();
   return Status::ok();
 }

@@ -88,6 +88,7 @@ class Builder {
       ZINF_ASSIGN_OR_RETURN(e.io, io::IoEngine::create({.queue_depth = s.io_queue_depth,
                                                         .block_size = s.io_block_size,
                                                         .rings = s.io_rings,
+                                                        .fixed_buffers = s.io_fixed_buffers,
                                                         .single_submit = s.io_single_submit}));
       ZINF_ASSIGN_OR_RETURN(e.swap, io::SwapSpace::create(*e.io, {.directories = s.nvme_paths,
                                                                   .checksum = s.checksum}));

@@ -91,6 +91,8 @@ Result<EngineSettings> settings_from_config(const config::Config& c) {
   s.max_reuse_distance = c.zero.stage3_max_reuse_distance;
   s.sub_group_elements = c.zero.sub_group_size;
   s.overlap_optimizer = c.zinf.overlap_optimizer;
+  s.optimizer_threads = c.zinf.optimizer_threads;
+  s.io_fixed_buffers = c.zinf.io_fixed_buffers;
   return s;
 }
 
@@ -134,6 +136,7 @@ nlohmann::json settings_json(const EngineSettings& s) {
   j["io_queue_depth"] = s.io_queue_depth;
   j["io_rings"] = s.io_rings;
   j["io_single_submit"] = s.io_single_submit;
+  j["io_fixed_buffers"] = s.io_fixed_buffers;
   j["device_mem"] = s.device_mem;
   j["host_mem"] = s.host_mem;
   j["overlap_optimizer"] = s.overlap_optimizer;

@@ -171,6 +171,8 @@ struct ZinfConfig {
   // Start each unit's optimizer update during the backward pass once its gradients are final
   // (EngineSettings::overlap_optimizer).
   bool overlap_optimizer = tunables::kOverlapOptimizer.value;
+  int optimizer_threads = tunables::kOptimizerThreads.value;  // CPU Adam threads; 0 = all cores
+  bool io_fixed_buffers = tunables::kIoFixedBuffers.value;    // registered io_uring buffers
 
   bool operator==(const ZinfConfig&) const = default;
 };

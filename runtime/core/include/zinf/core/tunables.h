@@ -420,7 +420,14 @@ inline constexpr Tunable<int> kOptimizerThreads{
     .name = "optimizer_threads",
     .value = 0,
     .unit = Unit::kCount,
+    .json = "zinf.optimizer_threads",
     .doc = "CPU Adam threads; 0 = all",
+};
+inline constexpr Tunable<bool> kIoFixedBuffers{
+    .name = "io_fixed_buffers",
+    .value = true,
+    .json = "zinf.io_fixed_buffers",
+    .doc = "register staging buffers with io_uring (fixed buffers)",
 };
 inline constexpr Tunable<std::string_view> kTrace{
     .name = "trace",
@@ -518,6 +525,7 @@ inline constexpr std::array kAll = {
     detail::entry(kSeed),
     detail::entry(kDevice),
     detail::entry(kOptimizerThreads),
+    detail::entry(kIoFixedBuffers),
     detail::entry(kTrace),
 };
 

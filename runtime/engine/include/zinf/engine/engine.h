@@ -135,6 +135,7 @@ struct EngineSettings {
   uint64_t io_block_size = tunables::kIoBlockSize.value;    // aio.block_size
   uint32_t io_rings = tunables::kIoRings.value;             // aio.intra_op_parallelism
   bool io_single_submit = tunables::kIoSingleSubmit.value;  // aio.single_submit
+  bool io_fixed_buffers = tunables::kIoFixedBuffers.value;  // zinf.io_fixed_buffers
   bool pin_memory = tunables::kPinMemory.value;  // host tier page-locked (offload_*.pin_memory)
   // The optimizer pipeline (offload_optimizer.pipeline_read / pipeline_write): read the next
   // sub-group's state while one is updated (and the first groups' during the backward pass),
