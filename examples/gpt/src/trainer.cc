@@ -211,15 +211,18 @@ Status catching(const TrainOptions& o, Body&& body) {
   }
 }
 
-// A rank that fails aborts the communicator, so that its peers stop at once instead of waiting
-// for it until the timeout, and records its error (the first recorded is the run's). Returns the
-// error, naming the rank.
-Status fail_rank(comm::Communicator& comm, Shared& shared, Status status) {
+// A rank that fails records its error (the first recorded is the run's: recorded before the
+// abort, so the cause comes before its echoes) and aborts the communicator, so that its peers
+// stop at once instead of waiting for it until the timeout. Returns the error, naming the rank.
+Status fail_rank(comm::Communicator& comm, Shared& shared, const Status& status) {
+  Status named = status;
+  named.with_context(fmt::format("rank {} of {}", comm.rank(), comm.world_size()));
+  {
+    std::lock_guard lock(shared.mu);
+    if (shared.first_failure.is_ok()) shared.first_failure = named;
+  }
   comm.abort(status);  // the peers' errors name the rank themselves
-  status.with_context(fmt::format("rank {} of {}", comm.rank(), comm.world_size()));
-  std::lock_guard lock(shared.mu);
-  if (shared.first_failure.is_ok()) shared.first_failure = status;
-  return status;
+  return named;
 }
 
 Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o,
@@ -233,7 +236,7 @@ Status run_rank(comm::Communicator& comm, const TrainOptions& o, const TextDatas
   Status status = catching(o, [&] { return run_steps(*engine, comm, o, data, shared, on_step); });
   // Before the engine goes: its destructor waits for the collectives it has in flight, which the
   // abort ends at once on every rank.
-  if (!status.is_ok()) return fail_rank(comm, shared, std::move(status));
+  if (!status.is_ok()) return fail_rank(comm, shared, status);
   return status;
 }
 
@@ -340,7 +343,7 @@ Status run_rank_guarded(comm::Communicator& comm, const TrainOptions& o, const T
                         Shared& shared, const StepCallback& on_step,
                         const StartCallback& on_start) {
   Status status = catching(o, [&] { return run_rank(comm, o, data, shared, on_step, on_start); });
-  if (!status.is_ok() && !comm.aborted()) return fail_rank(comm, shared, std::move(status));
+  if (!status.is_ok() && !comm.aborted()) return fail_rank(comm, shared, status);
   return status;
 }
 
