@@ -129,7 +129,7 @@ void run(const Args& a, bool ranks_given) {
     comms.push_back(std::move(c).value());
   } else {
     if (a.ranks < 1 || a.ranks > 1024) throw CliError("--ranks must be in [1, 1024]", 2);
-    auto group = comm::make_local_group(static_cast<int>(a.ranks));
+    auto group = comm::make_local_group(static_cast<int>(a.ranks), {.timeout = config->timeout});
     if (!group.is_ok()) fail(group.status());
     comms = std::move(group).value();
   }

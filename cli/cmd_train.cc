@@ -11,6 +11,7 @@
 
 #include "command.h"
 #include "train_settings.h"
+#include "zinf/comm/factory.h"
 #include "zinf/core/trace.h"
 #include "zinf/core/tunables.h"
 #include "zinf/core/units.h"
@@ -130,6 +131,9 @@ void run(const Args& a, const CLI::App& sub) {
   o.steps = a.steps;
   o.data = a.data;
   o.mpi = std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr;
+  auto comm_timeout = comm::comm_timeout_from_env();
+  if (!comm_timeout.is_ok()) throw CliError(comm_timeout.status().detail(), 2);
+  o.comm_timeout = *comm_timeout;
   o.ranks = a.ranks;
   o.sample_bytes = a.sample;
   o.export_path = a.export_path;

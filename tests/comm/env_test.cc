@@ -159,6 +159,20 @@ TEST(CommEnv, ErrorsNameTheVariable) {
   }
 }
 
+TEST(CommEnv, TheTimeoutAloneIsReadTheSameWayForCallersThatBuildTheirOwnGroups) {
+  auto get = [](std::map<std::string, std::string> env) {
+    return parse_comm_timeout([&env](const char* name) -> const char* {
+      auto it = env.find(name);
+      return it == env.end() ? nullptr : it->second.c_str();
+    });
+  };
+  EXPECT_EQ(get({}).value(), kDefaultTimeout);
+  EXPECT_EQ(get({{"ZINF_COMM_TIMEOUT", "0.25"}}).value(), std::chrono::milliseconds(250));
+  auto bad = get({{"ZINF_COMM_TIMEOUT", "-3"}});
+  EXPECT_EQ(bad.status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_THAT(bad.status().message(), HasSubstr("ZINF_COMM_TIMEOUT='-3' is not a positive"));
+}
+
 TEST(CommFactory, LocalConfigs) {
   EXPECT_TRUE(backend_available(Backend::kLocal));
   auto one = create_communicator({});

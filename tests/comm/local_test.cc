@@ -276,6 +276,50 @@ TEST(LocalFaults, ADestroyedRankFailsItsPeersInsteadOfHangingThem) {
   EXPECT_THAT(s.message(), HasSubstr("rank 1 left the local group"));
 }
 
+TEST(LocalFaults, AnAbortedRankWakesItsPeersCollectiveAtOnceNamingItAndItsReason) {
+  // A 60 s timeout: without the abort the peers would wait for all of it.
+  auto comms = group(3, 60s);
+  std::vector<float> send(8, 1.0f), recv0(8), recv2(8);
+  Work w0 = comms[0]->all_reduce(send.data(), recv0.data(), 8, DType::kF32, ReduceOp::kSum);
+  Work w2 = comms[2]->all_reduce(send.data(), recv2.data(), 8, DType::kF32, ReduceOp::kSum);
+  std::this_thread::sleep_for(50ms);  // both are waiting for rank 1 now
+  EXPECT_FALSE(w0.ready());
+  auto start = std::chrono::steady_clock::now();
+  comms[1]->abort(make_error(ErrorCode::kIo, "write of 4096 bytes at offset 0 of swap-0.bin"));
+  for (const Work* w : {&w0, &w2}) {
+    Status s = w->wait();
+    EXPECT_EQ(s.code(), ErrorCode::kUnavailable) << s.to_string();
+    EXPECT_THAT(s.message(), HasSubstr("rank 1 failed: write of 4096 bytes at offset 0 of "
+                                       "swap-0.bin; the local group is aborted"));
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 2s);
+  // The aborted rank's own operations fail without waiting; so do the peers' later ones.
+  Status own = comms[1]->barrier().wait();
+  EXPECT_EQ(own.code(), ErrorCode::kCancelled) << own.to_string();
+  EXPECT_THAT(own.message(), HasSubstr("rank 1 aborted its local communicator: write of 4096"));
+  EXPECT_TRUE(comms[1]->aborted());
+  EXPECT_FALSE(comms[0]->aborted());
+  Status later = comms[2]->barrier().wait();
+  EXPECT_EQ(later.code(), ErrorCode::kUnavailable);
+  EXPECT_THAT(later.message(), HasSubstr("rank 1 failed"));
+}
+
+TEST(LocalFaults, AnAbortWakesTheAbortingRanksOwnOperationInFlight) {
+  auto comms = group(3, 60s);
+  Work mine = comms[1]->barrier();  // waits for ranks 0 and 2, which never come
+  std::this_thread::sleep_for(20ms);
+  auto start = std::chrono::steady_clock::now();
+  comms[1]->abort(make_error(ErrorCode::kOutOfMemory, "refused"));
+  Status s = mine.wait();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 2s);
+  EXPECT_FALSE(s.is_ok());
+  EXPECT_THAT(s.message(), HasSubstr("rank 1 failed: refused"));
+  // A second abort, by a peer that reacts to the first, keeps the cause for the others.
+  comms[0]->abort(make_error(ErrorCode::kUnavailable, "an echo"));
+  Status peer = comms[2]->barrier().wait();
+  EXPECT_THAT(peer.message(), HasSubstr("rank 1 failed: refused"));
+}
+
 TEST(LocalWork, WaitForGivesUpWithoutCancelling) {
   auto comms = group(2, 5s);
   Work work = comms[0]->barrier();

@@ -124,6 +124,35 @@ TEST(Mpi, APeerThatNeverArrivesIsNamedWithinTheTimeout) {
   EXPECT_TRUE(g_comm->barrier().wait().is_ok());
 }
 
+TEST(Mpi, AFailedRankAbortsAndEveryPeerStopsWithItsErrorLongBeforeTheTimeout) {
+  // A communicator of its own with a 60 s timeout; rank 1 fails before the all_reduce that the
+  // others are waiting in, and aborts.
+  const int me = g_comm->rank();
+  {
+    auto comm = make(60s);
+    std::vector<float> buf(1024, 1.0f);
+    if (me == 1) {
+      std::this_thread::sleep_for(200ms);  // the peers are in the all_reduce by now
+      comm->abort(make_error(ErrorCode::kIo, "write of 4096 bytes of swap-0.bin: EIO"));
+      Status own = comm->barrier().wait();
+      EXPECT_EQ(own.code(), ErrorCode::kCancelled) << own.to_string();
+      EXPECT_THAT(own.message(), HasSubstr("rank 1 aborted its mpi communicator"));
+    } else {
+      auto start = std::chrono::steady_clock::now();
+      Status s =
+          comm->all_reduce(buf.data(), buf.data(), buf.size(), DType::kF32, ReduceOp::kSum).wait();
+      EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
+      EXPECT_EQ(s.code(), ErrorCode::kUnavailable) << s.to_string();
+      EXPECT_THAT(s.message(), HasSubstr("rank 1 failed: write of 4096 bytes of swap-0.bin: EIO; "
+                                         "the MPI communicator is aborted"));
+      // Broken for good, and a rank that reacts by aborting too does not hide the cause.
+      comm->abort(make_error(ErrorCode::kUnavailable, "an echo"));
+      EXPECT_THAT(comm->barrier().wait().message(), HasSubstr("aborted"));
+    }
+  }
+  EXPECT_TRUE(g_comm->barrier().wait().is_ok());
+}
+
 // Rank 0 keeps gtest's report; the other ranks only print their failures, marked with the rank.
 class FailurePrinter : public ::testing::EmptyTestEventListener {
  public:

@@ -70,6 +70,16 @@ int main() {
       test::SweepOptions options;
       options.memory = &memory;
       failures[r] = test::run_sweep(*comm.value(), options);
+      // Abort (issue 16): every rank aborts (a rank whose peers still held a live communicator
+      // could wait on them in ncclCommDestroy); its later operations fail at once without touching
+      // NCCL, and the destructor calls ncclCommAbort.
+      comm.value()->abort(make_error(ErrorCode::kIo, "injected"));
+      Status s = comm.value()->barrier().wait();
+      if (s.code() != ErrorCode::kCancelled ||
+          s.message().find(fmt::format("rank {} aborted its nccl communicator: injected", r)) ==
+              std::string::npos) {
+        failures[r].push_back("after abort, barrier gave: " + s.to_string());
+      }
     });
   }
   for (auto& t : threads) t.join();

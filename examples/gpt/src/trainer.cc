@@ -193,34 +193,76 @@ struct Shared {
   std::mutex mu;
   TrainReport report;
   std::vector<MemoryReport> memory;
+  Status first_failure;  // the rank error that came first: the cause, not a peer's echo of it
 };
+
+// `body()`, with an exception (an allocation the system refused, say) turned into an error: a
+// rank thread that threw would abort the process and leave its swap files.
+template <typename Body>
+Status catching(const TrainOptions& o, Body&& body) {
+  try {
+    return body();
+  } catch (const std::bad_alloc&) {
+    return make_error(ErrorCode::kOutOfMemory,
+                      "the system refused an allocation (batch {} x {} tokens, model {})", o.batch,
+                      o.seq > 0 ? o.seq : o.model.seq, o.model_name);
+  } catch (const std::exception& e) {
+    return make_error(ErrorCode::kInternal, "{}", e.what());
+  }
+}
+
+// A rank that fails records its error (the first recorded is the run's: recorded before the
+// abort, so the cause comes before its echoes) and aborts the communicator, so that its peers
+// stop at once instead of waiting for it until the timeout. Returns the error, naming the rank.
+Status fail_rank(comm::Communicator& comm, Shared& shared, const Status& status) {
+  Status named = status;
+  named.with_context(fmt::format("rank {} of {}", comm.rank(), comm.world_size()));
+  {
+    std::lock_guard lock(shared.mu);
+    if (shared.first_failure.is_ok()) shared.first_failure = named;
+  }
+  comm.abort(status);  // the peers' errors name the rank themselves
+  return named;
+}
+
+Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o,
+                 const TextDataset& data, Shared& shared, const StepCallback& on_step);
 
 Status run_rank(comm::Communicator& comm, const TrainOptions& o, const TextDataset& data,
                 Shared& shared, const StepCallback& on_step, const StartCallback& on_start) {
+  ZINF_ASSIGN_OR_RETURN(auto engine,
+                        Engine::create(o.engine, comm, engine_units(o.model), make_init(o.model)));
+  if (comm.rank() == 0 && on_start) on_start(engine->settings(), engine->budgets());
+  Status status = catching(o, [&] { return run_steps(*engine, comm, o, data, shared, on_step); });
+  // Before the engine goes: its destructor waits for the collectives it has in flight, which the
+  // abort ends at once on every rank.
+  if (!status.is_ok()) return fail_rank(comm, shared, status);
+  return status;
+}
+
+Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o,
+                 const TextDataset& data, Shared& shared, const StepCallback& on_step) {
   const int rank = comm.rank(), world = comm.world_size();
   const GptConfig& cfg = o.model;
   const int T = o.seq > 0 ? o.seq : cfg.seq;
   const int B = o.batch;
   const int gas = o.engine.gradient_accumulation_steps;
-  ZINF_ASSIGN_OR_RETURN(auto engine,
-                        Engine::create(o.engine, comm, engine_units(cfg), make_init(cfg)));
-  if (rank == 0 && on_start) on_start(engine->settings(), engine->budgets());
   Model model(cfg);
   HostBuffers host_buffers;  // the host copies of the units the model works on
   std::vector<int32_t> tokens(static_cast<size_t>(B) * T), targets(tokens.size());
-  StoreStats last_store = engine->store_stats();
+  StoreStats last_store = engine.store_stats();
   for (int step = 0; step < o.steps; ++step) {
     auto t0 = std::chrono::steady_clock::now();
     double loss_sum = 0;
     for (int m = 0; m < gas; ++m) {
       ZINF_RETURN_IF_ERROR(data.sample_batch(o.seed, static_cast<uint64_t>(step) * gas + m, rank, B,
                                              T, tokens.data(), targets.data()));
-      ScopeAdapter scopes(*engine, host_buffers);
+      ScopeAdapter scopes(engine, host_buffers);
       double loss = 0;
       try {
         loss = model.forward_backward([&](int u) { return scopes.params(u); },
                                       [&](int u) { return scopes.grads(u); }, tokens.data(),
-                                      targets.data(), B, T, engine->loss_scale());
+                                      targets.data(), B, T, engine.loss_scale());
       } catch (const GatherFailed& f) {
         (void)scopes.close_all();
         return f.status;
@@ -231,20 +273,20 @@ Status run_rank(comm::Communicator& comm, const TrainOptions& o, const TextDatas
     float local = static_cast<float>(loss_sum / gas), mean = local;
     ZINF_RETURN_IF_ERROR(
         comm.all_reduce(&local, &mean, 1, DType::kF32, comm::ReduceOp::kAvg).wait());
-    ZINF_RETURN_IF_ERROR(engine->step());
+    ZINF_RETURN_IF_ERROR(engine.step());
     double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (rank == 0) {
-      StoreStats now = engine->store_stats();
+      StoreStats now = engine.store_stats();
       StepLog log{.step = step + 1,
                   .loss = mean,
                   .seconds = seconds,
                   .tokens_per_s = static_cast<double>(B) * T * gas * world / seconds,
-                  .skipped = engine->last_step().skipped,
-                  .grad_norm = engine->last_step().grad_norm,
-                  .memory = engine->memory_report(),
-                  .comm = engine->comm_report(),
-                  .schedule = engine->schedule_report(),
-                  .units_updated_early = engine->last_step().units_updated_early,
+                  .skipped = engine.last_step().skipped,
+                  .grad_norm = engine.last_step().grad_norm,
+                  .memory = engine.memory_report(),
+                  .comm = engine.comm_report(),
+                  .schedule = engine.schedule_report(),
+                  .units_updated_early = engine.last_step().units_updated_early,
                   .nvme_read = now.bytes_nvme_read - last_store.bytes_nvme_read,
                   .nvme_written = now.bytes_nvme_written - last_store.bytes_nvme_written};
       last_store = now;
@@ -257,14 +299,14 @@ Status run_rank(comm::Communicator& comm, const TrainOptions& o, const TextDatas
   }
   {
     std::lock_guard lock(shared.mu);
-    shared.memory[rank] = engine->memory_report();
+    shared.memory[rank] = engine.memory_report();
   }
   // The consolidated fp32 weights (a collective: every rank takes part), only when asked for:
   // they are the whole model in memory.
   if (o.export_path.empty() && o.sample_bytes <= 0) return Status::ok();
   std::vector<std::vector<float>> full;
-  for (size_t u = 0; u < engine->unit_count(); ++u) {
-    ZINF_ASSIGN_OR_RETURN(auto p, engine->full_parameters(u));
+  for (size_t u = 0; u < engine.unit_count(); ++u) {
+    ZINF_ASSIGN_OR_RETURN(auto p, engine.full_parameters(u));
     full.push_back(std::move(p));
   }
   if (rank != 0) return Status::ok();
@@ -295,20 +337,14 @@ Status run_rank(comm::Communicator& comm, const TrainOptions& o, const TextDatas
   return Status::ok();
 }
 
-// run_rank, with an exception (an allocation the system refused, say) turned into an error that
-// names the rank: a rank thread that threw would abort the process and leave its swap files.
+// run_rank with exceptions turned into errors, and any failure (creating the engine included)
+// aborting the communicator so that no peer is left waiting for this rank.
 Status run_rank_guarded(comm::Communicator& comm, const TrainOptions& o, const TextDataset& data,
                         Shared& shared, const StepCallback& on_step,
                         const StartCallback& on_start) {
-  try {
-    return run_rank(comm, o, data, shared, on_step, on_start);
-  } catch (const std::bad_alloc&) {
-    return make_error(ErrorCode::kOutOfMemory,
-                      "rank {}: the system refused an allocation (batch {} x {} tokens, model {})",
-                      comm.rank(), o.batch, o.seq > 0 ? o.seq : o.model.seq, o.model_name);
-  } catch (const std::exception& e) {
-    return make_error(ErrorCode::kInternal, "rank {}: {}", comm.rank(), e.what());
-  }
+  Status status = catching(o, [&] { return run_rank(comm, o, data, shared, on_step, on_start); });
+  if (!status.is_ok() && !comm.aborted()) return fail_rank(comm, shared, status);
+  return status;
 }
 
 }  // namespace
@@ -382,12 +418,12 @@ Result<TrainReport> train(const TrainOptions& o, const StepCallback& on_step,
   Shared shared;
   std::vector<Status> status;
   if (o.mpi) {
-    ZINF_ASSIGN_OR_RETURN(auto comm, comm::make_mpi_communicator());
+    ZINF_ASSIGN_OR_RETURN(auto comm, comm::make_mpi_communicator({.timeout = o.comm_timeout}));
     shared.memory.resize(comm->world_size());
     shared.report.world = comm->world_size();
     status.push_back(run_rank_guarded(*comm, o, data, shared, on_step, on_start));
   } else {
-    ZINF_ASSIGN_OR_RETURN(auto group, comm::make_local_group(o.ranks));
+    ZINF_ASSIGN_OR_RETURN(auto group, comm::make_local_group(o.ranks, {.timeout = o.comm_timeout}));
     shared.memory.resize(o.ranks);
     shared.report.world = o.ranks;
     status.resize(o.ranks);
@@ -398,6 +434,8 @@ Result<TrainReport> train(const TrainOptions& o, const StepCallback& on_step,
     }
     for (auto& t : threads) t.join();
   }
+  // The cause first: the peers of a failed rank fail too, with an error that only echoes it.
+  ZINF_RETURN_IF_ERROR(shared.first_failure);
   for (Status& s : status) ZINF_RETURN_IF_ERROR(s);
   TrainReport report = std::move(shared.report);
   report.memory = std::move(shared.memory);

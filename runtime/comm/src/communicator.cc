@@ -189,6 +189,7 @@ struct Communicator::Stream {
   std::condition_variable cv;
   std::deque<Item> queue;
   bool stopping = false;
+  Status aborted;  // set by abort(): what every operation not yet run completes with
   uint64_t next_seq = 0;
   std::thread thread;
 };
@@ -204,14 +205,18 @@ Communicator::Communicator(std::unique_ptr<CommBackend> backend)
     Stream& s = *stream_;
     for (;;) {
       Stream::Item item;
+      Status aborted;
       {
         std::unique_lock lock(s.mu);
         s.cv.wait(lock, [&] { return s.stopping || !s.queue.empty(); });
         if (s.queue.empty()) return;  // stopping, and drained
         item = std::move(s.queue.front());
         s.queue.pop_front();
+        aborted = s.aborted;
       }
-      Status status = started.is_ok() ? backend_->run(item.c) : started;
+      Status status = !aborted.is_ok()  ? aborted
+                      : started.is_ok() ? backend_->run(item.c)
+                                        : started;
       if (status.is_ok()) {
         Traffic t = collective_traffic(item.c, rank_, world_);
         std::lock_guard lock(counters_mu_);
@@ -238,6 +243,21 @@ Communicator::~Communicator() {
   }
   stream_->cv.notify_all();
   stream_->thread.join();
+}
+
+void Communicator::abort(const Status& reason) {
+  {
+    std::lock_guard lock(stream_->mu);
+    if (!stream_->aborted.is_ok()) return;
+    stream_->aborted = make_error(ErrorCode::kCancelled, "rank {} aborted its {} communicator: {}",
+                                  rank_, backend_name(kind_), reason.detail());
+  }
+  backend_->abort(reason);
+}
+
+bool Communicator::aborted() const {
+  std::lock_guard lock(stream_->mu);
+  return !stream_->aborted.is_ok();
 }
 
 CommCounters Communicator::counters() const {

@@ -62,6 +62,21 @@ constexpr long long kMaxWorld = 1 << 24;
 
 }  // namespace
 
+Result<std::chrono::milliseconds> parse_comm_timeout(const GetEnv& getenv) {
+  auto text = lookup(getenv, "ZINF_COMM_TIMEOUT");
+  if (!text) return kDefaultTimeout;
+  double seconds = 0;
+  auto [end, ec] = std::from_chars(text->data(), text->data() + text->size(), seconds);
+  if (ec != std::errc() || end != text->data() + text->size() || !std::isfinite(seconds) ||
+      seconds <= 0 || seconds > 1e7) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "ZINF_COMM_TIMEOUT='{}' is not a positive number of seconds",
+                      std::string(*text));
+  }
+  return std::chrono::milliseconds(
+      std::max<long long>(1, static_cast<long long>(std::llround(seconds * 1000))));
+}
+
 Result<CommConfig> parse_comm_env(const GetEnv& getenv, BackendsBuilt built) {
   CommConfig config;
 
@@ -114,18 +129,7 @@ Result<CommConfig> parse_comm_env(const GetEnv& getenv, BackendsBuilt built) {
     config.store_bind = "127.0.0.1";
   }
 
-  if (auto text = lookup(getenv, "ZINF_COMM_TIMEOUT")) {
-    double seconds = 0;
-    auto [end, ec] = std::from_chars(text->data(), text->data() + text->size(), seconds);
-    if (ec != std::errc() || end != text->data() + text->size() || !std::isfinite(seconds) ||
-        seconds <= 0 || seconds > 1e7) {
-      return make_error(ErrorCode::kInvalidArgument,
-                        "ZINF_COMM_TIMEOUT='{}' is not a positive number of seconds",
-                        std::string(*text));
-    }
-    config.timeout = std::chrono::milliseconds(
-        std::max<long long>(1, static_cast<long long>(std::llround(seconds * 1000))));
-  }
+  ZINF_ASSIGN_OR_RETURN(config.timeout, parse_comm_timeout(getenv));
 
   if (auto name = lookup(getenv, "ZINF_COMM")) {
     config.backend_explicit = true;

@@ -40,6 +40,10 @@ Result<CommConfig> comm_config_from_env() {
   return parse_comm_env([](const char* name) { return std::getenv(name); }, backends_built());
 }
 
+Result<std::chrono::milliseconds> comm_timeout_from_env() {
+  return parse_comm_timeout([](const char* name) { return std::getenv(name); });
+}
+
 Result<std::unique_ptr<Communicator>> create_communicator(const CommConfig& config) {
   log::debug("comm: backend {}, rank {} of {} (local rank {}), from {}",
              backend_name(config.backend), config.rank, config.world_size, config.local_rank,

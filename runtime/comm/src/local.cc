@@ -71,6 +71,17 @@ class LocalGroup {
     cv_.notify_all();
   }
 
+  // A rank failed: wake every waiter, on every rank, with an error naming it and its reason.
+  // A group already broken keeps its first error (the cause, not its echo).
+  void abort(int rank, const Status& reason) {
+    std::lock_guard lock(mu_);
+    if (broken_.is_ok()) {
+      broken_ = make_error(ErrorCode::kUnavailable,
+                           "rank {} failed: {}; the local group is aborted", rank, reason.detail());
+    }
+    cv_.notify_all();
+  }
+
   int world() const { return world_; }
 
  private:
@@ -101,6 +112,8 @@ class LocalBackend final : public CommBackend {
   Backend kind() const override { return Backend::kLocal; }
   int rank() const override { return rank_; }
   int world_size() const override { return group_->world(); }
+
+  void abort(const Status& reason) override { group_->abort(rank_, reason); }
 
   Status run(const Collective& c) override {
     ZINF_RETURN_IF_ERROR(group_->arrive(rank_, c, /*post=*/true, "start"));

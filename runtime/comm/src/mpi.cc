@@ -2,6 +2,8 @@
 
 #include <mpi.h>
 
+#include <array>
+#include <atomic>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
@@ -137,12 +139,34 @@ std::vector<size_t> prefix_sums(const std::vector<size_t>& counts) {
   return displs;
 }
 
+// The abort channel: a rank that fails sends its reason (at most this many bytes) to every peer
+// on a communicator of its own; every rank keeps one receive from any source posted there, and
+// every wait of a collective tests it. An error broadcast rather than MPI_Abort: the peers return
+// an error naming the failed rank, clean up (swap files) and exit on their own, instead of being
+// killed by the launcher mid-write.
+constexpr int kAbortTag = 1;
+constexpr int kAbortMessageBytes = 1024;
+// How long abort() waits for its messages to leave before handing them to MPI to finish.
+constexpr std::chrono::milliseconds kAbortSendWait{2000};
+
 class MpiBackend final : public CommBackend {
  public:
   MpiBackend(int rank, int world, std::chrono::milliseconds timeout)
       : rank_(rank), world_(world), timeout_(timeout), headers_(world) {}
 
   ~MpiBackend() override {
+    if (abort_recv_ != MPI_REQUEST_NULL && !mpi_finalized()) {
+      MPI_Cancel(&abort_recv_);
+      MPI_Wait(&abort_recv_, MPI_STATUS_IGNORE);
+    }
+    // A broken communicator (timeout, abort) may still have messages of its last operation on
+    // the way. Freeing it would let MPI hand its context to the next communicator, where they
+    // would match that one's operations: keep it (one context per failure).
+    if (!broken_.is_ok() || self_aborted_.load() || peer_aborted_.load()) {
+      header_comm_.leak();
+      data_comm_.leak();
+      abort_comm_.leak();
+    }
     if (!abandoned_.empty()) {
       header_comm_.leak();
       data_comm_.leak();
@@ -155,15 +179,62 @@ class MpiBackend final : public CommBackend {
 
   Status init() {
     ZINF_RETURN_IF_ERROR(header_comm_.dup_world());
-    return data_comm_.dup_world();
+    ZINF_RETURN_IF_ERROR(data_comm_.dup_world());
+    ZINF_RETURN_IF_ERROR(abort_comm_.dup_world());
+    return mpi_status(MPI_Irecv(abort_in_.data(), kAbortMessageBytes, MPI_BYTE, MPI_ANY_SOURCE,
+                                kAbortTag, abort_comm_.get(), &abort_recv_),
+                      "MPI_Irecv (abort channel)");
   }
 
   Backend kind() const override { return Backend::kMpi; }
   int rank() const override { return rank_; }
   int world_size() const override { return world_; }
 
+  // Sends the reason to every peer (unless a peer's abort came first: the job knows already),
+  // then makes this rank's own wait in flight, if any, return.
+  void abort(const Status& reason) override {
+    if (mpi_finalized()) return;
+    if (!peer_aborted_.load()) {
+      const std::string text = reason.detail();
+      const size_t n = std::min<size_t>(text.size(), kAbortMessageBytes);
+      std::memcpy(abort_out_.data(), text.data(), n);
+      std::vector<MPI_Request> sends;
+      for (int j = 0; j < world_; ++j) {
+        if (j == rank_) continue;
+        MPI_Request r;
+        if (MPI_Isend(abort_out_.data(), static_cast<int>(n), MPI_BYTE, j, kAbortTag,
+                      abort_comm_.get(), &r) == MPI_SUCCESS) {
+          sends.push_back(r);
+        }
+      }
+      // Small messages leave at once; a peer that does not take them in time gets them when MPI
+      // gets to it (a freed send request still completes).
+      const auto deadline = Clock::now() + std::min(timeout_, kAbortSendWait);
+      int done = 0;
+      while (!sends.empty() &&
+             MPI_Testall(static_cast<int>(sends.size()), sends.data(), &done,
+                         MPI_STATUSES_IGNORE) == MPI_SUCCESS &&
+             !done && Clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+      }
+      if (!done) {
+        for (MPI_Request& r : sends) {
+          if (r != MPI_REQUEST_NULL) MPI_Request_free(&r);
+        }
+      }
+    }
+    {
+      std::lock_guard lock(abort_mu_);
+      own_abort_ =
+          make_error(ErrorCode::kCancelled, "rank {} failed: {}; the MPI communicator is aborted",
+                     rank_, reason.detail());
+    }
+    self_aborted_.store(true);
+  }
+
   Status run(const Collective& c) override {
     if (!broken_.is_ok()) return broken_;
+    ZINF_RETURN_IF_ERROR(check_abort());
     ZINF_RETURN_IF_ERROR(exchange_headers(c));
     switch (c.op) {
       case CollectiveOp::kAllGather:
@@ -206,7 +277,20 @@ class MpiBackend final : public CommBackend {
       sends.push_back(r);
     }
     const auto deadline = Clock::now() + timeout_;
-    ZINF_ASSIGN_OR_RETURN(bool recvs_done, poll(recvs, deadline, /*may_sleep=*/true));
+    Result<bool> recvs_polled = poll(recvs, deadline, /*may_sleep=*/true);
+    if (!recvs_polled.is_ok()) {
+      // Aborted (by this rank or a peer) or MPI failed: take back the receives still pending.
+      for (MPI_Request& r : recvs) {
+        if (r == MPI_REQUEST_NULL) continue;
+        MPI_Cancel(&r);
+        MPI_Wait(&r, MPI_STATUS_IGNORE);
+      }
+      for (MPI_Request& r : sends) {
+        if (r != MPI_REQUEST_NULL) MPI_Request_free(&r);
+      }
+      return recvs_polled.status();
+    }
+    const bool recvs_done = *recvs_polled;
     if (!recvs_done) {
       std::vector<int> missing;
       for (size_t i = 0; i < recvs.size(); ++i) {
@@ -225,9 +309,12 @@ class MpiBackend final : public CommBackend {
                            collective_name(c.op), c.seq, rank_);
       return broken_;
     }
-    ZINF_ASSIGN_OR_RETURN(bool sends_done, poll(sends, deadline, /*may_sleep=*/true));
-    if (!sends_done) {
-      for (MPI_Request& r : sends) MPI_Request_free(&r);
+    Result<bool> sends_polled = poll(sends, deadline, /*may_sleep=*/true);
+    if (!sends_polled.is_ok() || !*sends_polled) {
+      for (MPI_Request& r : sends) {
+        if (r != MPI_REQUEST_NULL) MPI_Request_free(&r);
+      }
+      if (!sends_polled.is_ok()) return sends_polled.status();
       broken_ = make_error(ErrorCode::kTimeout, "header sends did not complete within {:.1f} s",
                            timeout_.count() / 1000.0);
       return broken_;
@@ -236,12 +323,35 @@ class MpiBackend final : public CommBackend {
                                  [&](int j) { return j == rank_ ? c.invalid : std::string(); });
   }
 
+  // A peer's abort message, or this rank's own abort(): the error every operation now fails with.
+  // Stream thread only (it alone touches abort_recv_).
+  Status check_abort() {
+    if (self_aborted_.load()) {
+      std::lock_guard lock(abort_mu_);
+      broken_ = own_abort_;
+      return broken_;
+    }
+    if (abort_recv_ == MPI_REQUEST_NULL) return Status::ok();
+    int flag = 0;
+    MPI_Status st;
+    if (MPI_Test(&abort_recv_, &flag, &st) != MPI_SUCCESS || !flag) return Status::ok();
+    int bytes = 0;
+    MPI_Get_count(&st, MPI_BYTE, &bytes);
+    peer_aborted_.store(true);
+    broken_ = make_error(ErrorCode::kUnavailable,
+                         "rank {} failed: {}; the MPI communicator is aborted", st.MPI_SOURCE,
+                         std::string(abort_in_.data(), static_cast<size_t>(std::max(bytes, 0))));
+    return broken_;
+  }
+
   // Polls until every request completed (true) or the deadline passed (false, requests kept).
+  // An abort (a peer's or this rank's) is an error, with the requests left as they are.
   // `may_sleep`: the wait is for peers to arrive, not for data to move (see Backoff).
   Result<bool> poll(std::vector<MPI_Request>& requests, Clock::time_point deadline,
                     bool may_sleep) {
     Backoff backoff(may_sleep);
     for (;;) {
+      ZINF_RETURN_IF_ERROR(check_abort());
       int flag = 0;
       int rc = MPI_Testall(static_cast<int>(requests.size()), requests.data(), &flag,
                            MPI_STATUSES_IGNORE);
@@ -258,8 +368,15 @@ class MpiBackend final : public CommBackend {
   // Waits for the data-phase requests. MPI cannot take back a transfer a peer may be matching:
   // after a timeout the requests are abandoned with their buffers, and the communicator is broken.
   Status finish(std::vector<MPI_Request>& requests, const Collective& c, std::string_view what) {
-    ZINF_ASSIGN_OR_RETURN(bool done, poll(requests, Clock::now() + timeout_, /*may_sleep=*/false));
-    if (!done) {
+    Result<bool> polled = poll(requests, Clock::now() + timeout_, /*may_sleep=*/false);
+    if (!polled.is_ok()) {
+      // MPI cannot take back a transfer in flight: its buffers stay with MPI.
+      for (MPI_Request r : requests) {
+        if (r != MPI_REQUEST_NULL) abandoned_.push_back(r);
+      }
+      return polled.status();
+    }
+    if (!*polled) {
       abandoned_.insert(abandoned_.end(), requests.begin(), requests.end());
       broken_ =
           make_error(ErrorCode::kTimeout,
@@ -386,6 +503,14 @@ class MpiBackend final : public CommBackend {
   const std::chrono::milliseconds timeout_;
   OwnedComm header_comm_;  // headers only, so their tags never meet data traffic
   OwnedComm data_comm_;
+  OwnedComm abort_comm_;  // the abort channel (kAbortTag), see abort()
+  MPI_Request abort_recv_ = MPI_REQUEST_NULL;
+  std::array<char, kAbortMessageBytes> abort_in_{};
+  std::array<char, kAbortMessageBytes> abort_out_{};  // alive for as long as MPI may send it
+  std::mutex abort_mu_;
+  Status own_abort_;                       // under abort_mu_
+  std::atomic<bool> self_aborted_{false};  // abort() was called on this rank
+  std::atomic<bool> peer_aborted_{false};  // a peer's abort message arrived
   std::vector<detail::OpHeader> headers_;
   std::unique_ptr<std::byte[]> staging_;  // reduce_scatter: world chunks of this rank's share
   size_t staging_bytes_ = 0;

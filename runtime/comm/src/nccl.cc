@@ -4,7 +4,9 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <mutex>
 #include <thread>
 
 #include "nccl_reduce.h"
@@ -85,8 +87,15 @@ class OwnedNcclComm {
   }
 
   // The outcome of an NCCL call on this communicator, polling while it is in progress.
-  Status settle(ncclResult_t result, std::string_view call, Clock::time_point deadline) {
+  // `aborted` (the backend's abort flag, set from any thread) ends the wait: the communicator is
+  // aborted here, on the thread that uses it, since NCCL forbids concurrent calls on one.
+  Status settle(ncclResult_t result, std::string_view call, Clock::time_point deadline,
+                const std::atomic<bool>& aborted) {
     while (result == ncclInProgress) {
+      if (aborted.load()) {
+        abort();
+        return make_error(ErrorCode::kCancelled, "{} abandoned: this rank aborted", call);
+      }
       if (Clock::now() >= deadline) {
         abort();
         return make_error(ErrorCode::kTimeout, "{} still in progress at the deadline; aborted",
@@ -111,7 +120,12 @@ class NcclBackend final : public CommBackend {
     headers_.resize(options_.world_size);
   }
 
-  ~NcclBackend() override { cudaSetDevice(options_.device); }
+  ~NcclBackend() override {
+    cudaSetDevice(options_.device);
+    // ncclCommDestroy waits for the operations queued on the communicator, which a failed rank's
+    // peers will never complete: abort instead.
+    if (aborted_.load()) comm_.abort();
+  }
 
   Status init() {
     const auto deadline = Clock::now() + options_.timeout;
@@ -143,7 +157,7 @@ class NcclBackend final : public CommBackend {
     config.blocking = 0;
     ZINF_RETURN_IF_ERROR(comm_.settle(
         ncclCommInitRankConfig(comm_.out(), options_.world_size, id, options_.rank, &config),
-        "ncclCommInitRankConfig", deadline));
+        "ncclCommInitRankConfig", deadline, aborted_));
     ZINF_RETURN_IF_ERROR(stream_.create());
     return Status::ok();
   }
@@ -156,10 +170,25 @@ class NcclBackend final : public CommBackend {
     return cuda_status(cudaSetDevice(options_.device), "cudaSetDevice");
   }
 
+  // Sets the flag that every wait on the stream thread polls; that thread aborts the NCCL
+  // communicator (ncclCommAbort), or the destructor does if no operation comes. NCCL itself has
+  // no way to tell the peers: theirs fail when NCCL reports the lost peer, or at their timeout.
+  void abort(const Status& reason) override {
+    {
+      std::lock_guard lock(abort_mu_);
+      own_abort_ =
+          make_error(ErrorCode::kCancelled, "rank {} failed: {}; the NCCL communicator is aborted",
+                     options_.rank, reason.detail());
+    }
+    aborted_.store(true);
+  }
+
   Status run(const Collective& c) override {
     if (!broken_.is_ok()) return broken_;
+    if (aborted_.load()) return abort_now();
     deadline_ = Clock::now() + options_.timeout;
     Status status = run_op(c);
+    if (aborted_.load()) return abort_now();
     if (status.code() == ErrorCode::kTimeout) broken_ = status;
     return status;
   }
@@ -197,7 +226,15 @@ class NcclBackend final : public CommBackend {
   }
 
   Status settle(ncclResult_t result, std::string_view call) {
-    return comm_.settle(result, call, deadline_);
+    return comm_.settle(result, call, deadline_, aborted_);
+  }
+
+  // Stream thread: aborts the NCCL communicator after abort() and breaks this backend for good.
+  Status abort_now() {
+    comm_.abort();
+    std::lock_guard lock(abort_mu_);
+    broken_ = own_abort_;
+    return broken_;
   }
 
   // Point-to-point calls between ncclGroupStart and ncclGroupEnd: the group is always closed,
@@ -229,6 +266,7 @@ class NcclBackend final : public CommBackend {
       ncclResult_t async = ncclSuccess;
       ncclCommGetAsyncError(comm_.get(), &async);
       if (async != ncclSuccess && async != ncclInProgress) return settle(async, "NCCL");
+      if (aborted_.load()) return abort_now();
       if (Clock::now() >= deadline_) {
         comm_.abort();
         return make_error(ErrorCode::kTimeout,
@@ -334,6 +372,9 @@ class NcclBackend final : public CommBackend {
   std::vector<detail::OpHeader> headers_;
   Clock::time_point deadline_;
   Status broken_;
+  std::mutex abort_mu_;
+  Status own_abort_;                  // under abort_mu_
+  std::atomic<bool> aborted_{false};  // abort() was called (from any thread)
 };
 
 }  // namespace

@@ -10,7 +10,12 @@
 // A payload must be consumed exactly; anything else is malformed and closes the connection.
 #include "zinf/comm/store.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <boost/asio.hpp>
+#include <cerrno>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -112,10 +117,19 @@ uint32_t le32(const std::array<uint8_t, 4>& b) {
   return uint32_t{b[0]} | uint32_t{b[1]} << 8 | uint32_t{b[2]} << 16 | uint32_t{b[3]} << 24;
 }
 
-std::string resolve_token(const std::optional<std::string>& token) {
-  if (token) return *token;
-  const char* env = std::getenv(kStoreTokenEnv);
-  return env ? env : "";
+Result<std::string> resolve_token(const std::optional<std::string>& token) {
+  std::string out;
+  if (token) {
+    out = *token;
+  } else {
+    ZINF_ASSIGN_OR_RETURN(out, store_token_from_env());
+  }
+  if (out.size() > kMaxStoreTokenBytes) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "store: a token of {} bytes is longer than the {} allowed", out.size(),
+                      kMaxStoreTokenBytes);
+  }
+  return out;
 }
 
 bool tokens_equal(std::string_view a, std::string_view b) {
@@ -127,6 +141,60 @@ bool tokens_equal(std::string_view a, std::string_view b) {
     diff |= x ^ y;
   }
   return diff == 0;
+}
+
+// Closes the descriptor it holds (STYLE.md 6).
+class Fd {
+ public:
+  explicit Fd(int fd) : fd_(fd) {}
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  int get() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+Result<std::string> read_token_file(const std::string& path) {
+  auto fail = [&](std::string why) {
+    return make_error(ErrorCode::kInvalidArgument, "{}={}: {}", kStoreTokenFileEnv, path, why);
+  };
+  // O_NONBLOCK: a FIFO planted under the name must not block the open.
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK));
+  if (fd.get() < 0) return errno_status(errno, fmt::format("{}={}", kStoreTokenFileEnv, path));
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) {
+    return errno_status(errno, fmt::format("{}={}: fstat", kStoreTokenFileEnv, path));
+  }
+  if (!S_ISREG(st.st_mode)) return fail("not a regular file");
+  if (st.st_uid != ::geteuid()) {
+    return fail(fmt::format("owned by uid {}, not by this user (uid {})", st.st_uid, ::geteuid()));
+  }
+  if ((st.st_mode & 077) != 0) {
+    return fail(fmt::format("mode {:04o} lets group or others read or write it; chmod 600 it",
+                            st.st_mode & 07777));
+  }
+  if (st.st_size > static_cast<off_t>(kMaxStoreTokenBytes) + 1) {
+    return fail(fmt::format("{} bytes; a token is at most {}", st.st_size, kMaxStoreTokenBytes));
+  }
+  std::string text(kMaxStoreTokenBytes + 2, '\0');
+  size_t got = 0;
+  for (;;) {
+    ssize_t n = ::read(fd.get(), text.data() + got, text.size() - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return errno_status(errno, fmt::format("{}={}: read", kStoreTokenFileEnv, path));
+    if (n == 0) break;
+    got += static_cast<size_t>(n);
+    if (got == text.size()) return fail("grew while being read");
+  }
+  text.resize(got);
+  if (!text.empty() && text.back() == '\n') text.pop_back();
+  if (!text.empty() && text.back() == '\r') text.pop_back();
+  if (text.empty()) return fail("empty");
+  return text;
 }
 
 uint32_t clamp_ms(std::chrono::milliseconds timeout) {
@@ -142,6 +210,18 @@ std::optional<int64_t> parse_i64(const std::string& text) {
   return v;
 }
 
+}  // namespace
+
+Result<std::string> store_token_from_env() {
+  if (const char* token = std::getenv(kStoreTokenEnv); token && *token) return std::string(token);
+  if (const char* path = std::getenv(kStoreTokenFileEnv); path && *path) {
+    return read_token_file(path);
+  }
+  return std::string();
+}
+
+namespace {
+
 // ---- server ------------------------------------------------------------------------------------
 
 class Connection;
@@ -149,6 +229,9 @@ class Connection;
 struct ServerState {
   std::string token;
   size_t max_frame_bytes = 0;
+  std::chrono::milliseconds handshake_timeout{0};
+  size_t max_connections = 0;
+  size_t open_connections = 0;  // counted from start() to close()
   std::map<std::string, std::string, std::less<>> data;
   std::set<std::shared_ptr<Connection>> waiting;  // connections blocked in GET or WAIT
 
@@ -160,9 +243,32 @@ struct ServerState {
 class Connection : public std::enable_shared_from_this<Connection> {
  public:
   Connection(ServerState& state, tcp::socket socket)
-      : state_(state), socket_(std::move(socket)), timer_(socket_.get_executor()) {}
+      : state_(state),
+        socket_(std::move(socket)),
+        timer_(socket_.get_executor()),
+        handshake_timer_(socket_.get_executor()) {}
 
-  void start() { read_frame(); }
+  // Serves the connection; it counts against max_connections until it closes. A connection over
+  // the limit is told so and closed.
+  void start() {
+    if (state_.open_connections >= state_.max_connections) {
+      log::debug("store: refusing a connection: {} are open already", state_.open_connections);
+      counted_ = false;
+      return refuse(
+          fmt::format("the store serves at most {} connections at once", state_.max_connections));
+    }
+    ++state_.open_connections;
+    // The handshake's deadline: a client that connects and sends nothing (or drips bytes) is
+    // dropped, so it cannot hold a connection slot.
+    handshake_timer_.expires_after(state_.handshake_timeout);
+    handshake_timer_.async_wait([self = shared_from_this()](boost::system::error_code ec) {
+      if (ec || self->authenticated_ || self->closed_) return;
+      log::debug("store: closing a connection that did not say HELLO within {} ms",
+                 self->state_.handshake_timeout.count());
+      self->close();
+    });
+    read_frame();
+  }
 
   // Answers a GET or WAIT whose keys are all present now; returns whether it did.
   bool try_finish_wait() {
@@ -181,7 +287,11 @@ class Connection : public std::enable_shared_from_this<Connection> {
     asio::async_read(socket_, asio::buffer(header_), [self](boost::system::error_code ec, size_t) {
       if (ec) return self->close();
       uint32_t length = le32(self->header_);
-      if (length == 0 || length > self->state_.max_frame_bytes) {
+      // Before HELLO only a small frame: nothing large is allocated for an unknown peer.
+      const size_t limit = self->authenticated_
+                               ? self->state_.max_frame_bytes
+                               : std::min(kPreAuthFrameBytes, self->state_.max_frame_bytes);
+      if (length == 0 || length > limit) {
         log::debug("store: closing a connection that announced a {}-byte frame", length);
         return self->close();
       }
@@ -209,6 +319,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
         return refuse("wrong token");
       }
       authenticated_ = true;
+      handshake_timer_.cancel();
       return reply(Reply::kOk, "");
     }
     switch (op) {
@@ -267,8 +378,16 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void begin_wait(uint32_t timeout_ms) {
     if (try_finish_wait()) return;
     state_.waiting.insert(shared_from_this());
+    const uint64_t id = ++wait_id_;
     timer_.expires_after(std::chrono::milliseconds(timeout_ms));
     auto self = shared_from_this();
+    // While it waits the client must send nothing: the socket turning readable means it hung up
+    // (or broke the protocol). Either way the wait is released at once, not at its timeout.
+    socket_.async_wait(tcp::socket::wait_read, [self, id](boost::system::error_code ec) {
+      if (ec || id != self->wait_id_ || !self->state_.waiting.count(self)) return;
+      log::debug("store: a client left while waiting; its wait is released");
+      self->close();
+    });
     timer_.async_wait([self](boost::system::error_code ec) {
       if (ec || !self->state_.waiting.count(self)) return;  // cancelled, or answered already
       std::string missing;
@@ -283,6 +402,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void end_wait() {
     state_.waiting.erase(shared_from_this());
     timer_.cancel();
+    // Ends the readability watch (the only operation on the socket during a wait).
+    boost::system::error_code ignored;
+    socket_.cancel(ignored);
   }
 
   void refuse(std::string message) {
@@ -301,16 +423,21 @@ class Connection : public std::enable_shared_from_this<Connection> {
   }
 
   void close() {
+    if (closed_) return;
+    closed_ = true;
+    if (counted_) --state_.open_connections;
     state_.waiting.erase(shared_from_this());
     boost::system::error_code ignored;
     timer_.cancel();
+    handshake_timer_.cancel();
     socket_.shutdown(tcp::socket::shutdown_both, ignored);
     socket_.close(ignored);
   }
 
   ServerState& state_;
   tcp::socket socket_;
-  asio::steady_timer timer_;
+  asio::steady_timer timer_;            // a GET or WAIT's timeout
+  asio::steady_timer handshake_timer_;  // HELLO's deadline
   std::array<uint8_t, 4> header_{};
   std::vector<uint8_t> payload_;
   std::vector<uint8_t> out_;
@@ -318,6 +445,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool want_value_ = false;
   bool authenticated_ = false;
   bool close_after_reply_ = false;
+  bool closed_ = false;
+  bool counted_ = true;   // holds one of max_connections
+  uint64_t wait_id_ = 0;  // which wait a readability watch belongs to
 };
 
 void ServerState::notify_waiters() {
@@ -328,9 +458,17 @@ void ServerState::notify_waiters() {
 
 }  // namespace
 
+// Pauses between accepts that fail (EMFILE, ENFILE, ENOBUFS): the pending connection stays in
+// the backlog and the next accept would fail at once, so retrying without a pause spins a core.
+constexpr std::chrono::milliseconds kAcceptBackoffMin{10};
+constexpr std::chrono::milliseconds kAcceptBackoffMax{1000};
+
 struct TcpStoreServer::Impl {
   asio::io_context io;  // first member: destroyed last, after everything that uses it
   tcp::acceptor acceptor{io};
+  asio::steady_timer accept_timer{io};
+  std::chrono::milliseconds accept_backoff{0};
+  uint64_t accept_failures = 0;
   ServerState state;
   uint16_t port = 0;
   std::thread thread;
@@ -338,7 +476,21 @@ struct TcpStoreServer::Impl {
   void accept() {
     acceptor.async_accept([this](boost::system::error_code ec, tcp::socket socket) {
       if (ec == asio::error::operation_aborted) return;
-      if (!ec) std::make_shared<Connection>(state, std::move(socket))->start();
+      if (ec) {
+        // Said at the first failure and then at every power of two, not at every retry.
+        if ((++accept_failures & (accept_failures - 1)) == 0) {
+          log::warn("store: accept failed ({} time(s)): {}; retrying with a pause", accept_failures,
+                    ec.message());
+        }
+        accept_backoff = std::clamp(accept_backoff * 2, kAcceptBackoffMin, kAcceptBackoffMax);
+        accept_timer.expires_after(accept_backoff);
+        accept_timer.async_wait([this](boost::system::error_code timer_ec) {
+          if (!timer_ec) accept();
+        });
+        return;
+      }
+      accept_backoff = std::chrono::milliseconds(0);
+      std::make_shared<Connection>(state, std::move(socket))->start();
       accept();
     });
   }
@@ -363,9 +515,15 @@ Result<std::unique_ptr<TcpStoreServer>> TcpStoreServer::start(StoreServerOptions
     return make_error(ErrorCode::kInvalidArgument, "store: max_frame_bytes {} is too small",
                       options.max_frame_bytes);
   }
+  if (options.max_connections < 1 || options.handshake_timeout.count() <= 0) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "store: max_connections and handshake_timeout must be positive");
+  }
   auto impl = std::make_unique<Impl>();
-  impl->state.token = resolve_token(options.token);
+  ZINF_ASSIGN_OR_RETURN(impl->state.token, resolve_token(options.token));
   impl->state.max_frame_bytes = options.max_frame_bytes;
+  impl->state.handshake_timeout = options.handshake_timeout;
+  impl->state.max_connections = options.max_connections;
   boost::system::error_code ec;
   tcp::resolver resolver(impl->io);
   auto endpoints = resolver.resolve(options.host, std::to_string(options.port),
@@ -375,6 +533,15 @@ Result<std::unique_ptr<TcpStoreServer>> TcpStoreServer::start(StoreServerOptions
                       options.host, ec.message());
   }
   tcp::endpoint endpoint = *endpoints.begin();
+  if (!endpoint.address().is_loopback() && impl->state.token.empty()) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "store: refusing to listen on {} ({}) without a token: beyond loopback any "
+                      "host could steer the rendezvous. Set {} to the same secret on every rank, "
+                      "or {} to a file of mode 0600 holding it; or bind to 127.0.0.1 "
+                      "(ZINF_STORE_BIND) when every rank runs on this machine",
+                      options.host, endpoint.address().to_string(), kStoreTokenEnv,
+                      kStoreTokenFileEnv);
+  }
   impl->acceptor.open(endpoint.protocol(), ec);
   if (!ec) impl->acceptor.set_option(tcp::acceptor::reuse_address(true), ec);
   if (!ec) impl->acceptor.bind(endpoint, ec);
@@ -541,10 +708,9 @@ Result<std::unique_ptr<TcpStoreClient>> TcpStoreClient::connect(StoreClientOptio
     std::this_thread::sleep_for(std::min<Clock::duration>(backoff, left));
     backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
   }
+  ZINF_ASSIGN_OR_RETURN(std::string token, resolve_token(options.token));
   Writer hello;
-  hello.u8(static_cast<uint8_t>(Op::kHello))
-      .u32(kStoreProtocolVersion)
-      .str(resolve_token(options.token));
+  hello.u8(static_cast<uint8_t>(Op::kHello)).u32(kStoreProtocolVersion).str(token);
   ZINF_ASSIGN_OR_RETURN(auto answer, impl->transact(hello, options.io_timeout));
   if (answer.status != Reply::kOk) {
     Status refused = impl->answer_error(answer, "this client");
@@ -619,8 +785,13 @@ ShareFromRank0 store_share_from_rank0(StoreRendezvous rv) {
   return [state](std::string_view blob) -> Result<std::string> {
     const StoreRendezvous& rv = state->rv;
     if (rv.rank == 0 && !state->server) {
-      ZINF_ASSIGN_OR_RETURN(state->server,
-                            TcpStoreServer::start({.host = rv.bind_host, .port = rv.master_port}));
+      // Every rank holds one connection; the rest is room for retries and strays.
+      ZINF_ASSIGN_OR_RETURN(
+          state->server,
+          TcpStoreServer::start(
+              {.host = rv.bind_host,
+               .port = rv.master_port,
+               .max_connections = std::max<size_t>(1024, 2 * static_cast<size_t>(rv.world_size))}));
     }
     if (!state->client) {
       ZINF_ASSIGN_OR_RETURN(

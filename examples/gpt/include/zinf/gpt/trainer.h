@@ -2,11 +2,13 @@
 // per thread on the local communicator or one per process under mpirun.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
 
+#include "zinf/comm/communicator.h"
 #include "zinf/core/status.h"
 #include "zinf/engine/engine.h"
 #include "zinf/gpt/config.h"
@@ -20,9 +22,12 @@ struct TrainOptions {
   int seq = 0;                        // tokens per sequence; 0 = the model's context
   int steps = 100;
   uint64_t seed = 1;
-  std::string data;         // text file; empty = the fortunes corpus
-  int ranks = 1;            // local threads (ignored under mpirun)
-  bool mpi = false;         // one rank per process (set when launched by mpirun)
+  std::string data;  // text file; empty = the fortunes corpus
+  int ranks = 1;     // local threads (ignored under mpirun)
+  bool mpi = false;  // one rank per process (set when launched by mpirun)
+  // Bound on every wait for a peer (ZINF_COMM_TIMEOUT, read by the CLI). A rank that fails stops
+  // its peers at once (Communicator::abort); this bounds the rest (a rank that hangs).
+  std::chrono::milliseconds comm_timeout = comm::kDefaultTimeout;
   EngineSettings engine;    // stage, dtype, optimizer, offload, budgets
   std::string log_json;     // one JSON object per step
   std::string export_path;  // consolidated fp32 weights (.safetensors) at the end

@@ -36,6 +36,12 @@
 //   the operation with kTimeout naming the missing ranks; after a timeout the communicator is
 //   broken and every later operation fails with the same error. Mismatched shapes across ranks
 //   fail with kInvalidArgument on every rank and leave the communicator usable.
+//   A rank that fails for a reason of its own (an I/O error, a refused allocation) calls
+//   abort(reason): its queued and later operations fail with kCancelled, and every peer's
+//   operation in flight or to come fails with kUnavailable naming the rank and its reason,
+//   promptly rather than at the timeout (local: the group wakes its waiters; MPI: a message on a
+//   channel of its own that every wait polls; NCCL: ncclCommAbort on this rank, and the peers
+//   return when NCCL reports the lost peer or at their timeout). docs/communicators.md, "Faults".
 #pragma once
 
 #include <array>
@@ -181,6 +187,11 @@ class CommBackend {
   virtual Status start_on_stream() { return Status::ok(); }
   // Runs `c` to completion.
   virtual Status run(const Collective& c) = 0;
+  // This rank failed with `reason`: make run() on this rank and on every peer fail from now on,
+  // waking the waits in flight (peers' errors name this rank and the reason). Called from any
+  // thread, possibly while run() is in flight on the stream thread, at most once; returns within
+  // a short bounded time and never throws.
+  virtual void abort(const Status& reason) = 0;
 };
 
 class Communicator {
@@ -208,6 +219,14 @@ class Communicator {
 
   CommCounters counters() const;
   void reset_counters();
+
+  // This rank failed with `reason` and will issue no more operations that its peers could match:
+  // every operation not yet complete on this rank fails with kCancelled, and every peer's fails
+  // with kUnavailable naming this rank and the reason, promptly (see "Faults" above). Safe from
+  // any thread, at any time; only the first call acts. The communicator stays broken.
+  void abort(const Status& reason);
+  // Whether abort() was called on this rank.
+  bool aborted() const;
 
  private:
   struct Stream;

@@ -1,7 +1,8 @@
 // Which backend, which rank, how many: read from the launcher's environment.
 //
 //   ZINF_COMM            local | mpi | nccl (default: what the launcher implies, below)
-//   ZINF_COMM_TIMEOUT    seconds, > 0 (default 300): bound on every wait for a peer
+//   ZINF_COMM_TIMEOUT    seconds, > 0 (default 300): bound on every wait for a peer, in every
+//                        backend (local groups for --ranks included) and in the store rendezvous
 //   ZINF_STORE_BIND      address rank 0's TCP store binds to (default MASTER_ADDR when it is
 //                        set, else 127.0.0.1)
 //   torchrun:  RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR (default 127.0.0.1), MASTER_PORT (29500)
@@ -50,5 +51,9 @@ using GetEnv = std::function<const char*(const char* name)>;
 
 // Parses the variables above through `getenv`. Errors name the variable and its value.
 Result<CommConfig> parse_comm_env(const GetEnv& getenv, BackendsBuilt built);
+
+// ZINF_COMM_TIMEOUT alone (kDefaultTimeout when unset): the one timeout setting, for callers
+// that build their communicators themselves (a local group for --ranks, MPI under mpirun).
+Result<std::chrono::milliseconds> parse_comm_timeout(const GetEnv& getenv);
 
 }  // namespace zinf::comm

@@ -22,6 +22,8 @@ Result<std::unique_ptr<Communicator>> create_communicator(const CommConfig& conf
 
 // parse_comm_env(std::getenv) then create_communicator.
 Result<CommConfig> comm_config_from_env();
+// parse_comm_timeout(std::getenv): ZINF_COMM_TIMEOUT, or the default.
+Result<std::chrono::milliseconds> comm_timeout_from_env();
 Result<std::unique_ptr<Communicator>> from_env();
 
 }  // namespace zinf::comm

@@ -26,7 +26,8 @@ struct LocalOptions {
 // Creates one group of `world` ranks and returns its communicators, element r being rank r.
 // Hand each to its own thread (a rank's operations may also be issued from one thread for all
 // ranks: they are asynchronous). Destroying one communicator makes the other ranks' later
-// operations fail with kUnavailable instead of waiting for it.
+// operations fail with kUnavailable instead of waiting for it; so does Communicator::abort on one
+// rank, at once, for the operations every rank has in flight (the error names the rank and why).
 Result<std::vector<std::unique_ptr<Communicator>>> make_local_group(int world,
                                                                     LocalOptions options = {});
 

@@ -3,14 +3,19 @@
 // are published and awaited by key. Boost.Asio; the server runs its io_context on one thread.
 //
 // Protocol (docs/communicators.md has the table): every message is a frame, a 4-byte
-// little-endian payload length followed by the payload, at most max_frame_bytes. A connection
-// must first send HELLO with the protocol version and the token; until then nothing else is
-// served. A frame the server cannot parse, or an oversized length, closes that connection only.
+// little-endian payload length followed by the payload. A connection must first send HELLO with
+// the protocol version and the token; until then nothing else is served, frames are limited to
+// kPreAuthFrameBytes, and the whole handshake to handshake_timeout. After it, frames are limited to
+// max_frame_bytes. A frame the server cannot parse, or an oversized length, closes that
+// connection only (before anything is allocated for it).
 //
-// Security: the server binds to 127.0.0.1 unless told otherwise. When a token is set (option or
-// ZINF_STORE_TOKEN), a client with a different token is refused before any request is served.
-// The token is a shared secret against accidental cross-talk and casual local access; the
-// channel is not encrypted.
+// Security (docs/security.md): the server binds to 127.0.0.1 unless told otherwise, and refuses
+// to listen on any other address without a token (the option, ZINF_STORE_TOKEN, or the file named
+// by ZINF_STORE_TOKEN_FILE, mode 0600). A client with a different token is refused before any
+// request is served; tokens are compared in constant time. At most max_connections connections
+// are open at once (more are refused); a failing accept (EMFILE) is retried with a growing
+// pause, never in a spin; a client that disconnects while waiting releases its wait at once.
+// The token is a shared secret against cross-talk and other users; the channel is not encrypted.
 #pragma once
 
 #include <chrono>
@@ -28,14 +33,29 @@ namespace zinf::comm {
 
 inline constexpr uint32_t kStoreProtocolVersion = 1;
 inline constexpr size_t kDefaultMaxFrameBytes = size_t{64} << 20;
+// Before HELLO is accepted a frame may be no longer than this (HELLO is 9 bytes and the token).
+inline constexpr size_t kPreAuthFrameBytes = 1024;
+inline constexpr size_t kMaxStoreTokenBytes = 512;
 inline constexpr char kStoreTokenEnv[] = "ZINF_STORE_TOKEN";
+inline constexpr char kStoreTokenFileEnv[] = "ZINF_STORE_TOKEN_FILE";
+
+// The token from the environment: ZINF_STORE_TOKEN when set, else the contents of the file named
+// by ZINF_STORE_TOKEN_FILE (a regular file owned by this user that neither group nor others may
+// read or write, e.g. mode 0600; one trailing newline is dropped), else "" (no token). Errors name
+// the variable or the file and what is wrong with it.
+Result<std::string> store_token_from_env();
 
 struct StoreServerOptions {
   std::string host = "127.0.0.1";  // address to bind (a numeric address or a resolvable name)
   uint16_t port = 0;               // 0: an ephemeral port, see TcpStoreServer::port()
-  // The shared token; nullopt reads ZINF_STORE_TOKEN (unset or empty: no token required).
+  // The shared token; nullopt reads store_token_from_env(). Empty (no token) is refused unless
+  // `host` is a loopback address.
   std::optional<std::string> token;
-  size_t max_frame_bytes = kDefaultMaxFrameBytes;
+  size_t max_frame_bytes = kDefaultMaxFrameBytes;  // after HELLO
+  // A connection that has not completed HELLO within this time is closed.
+  std::chrono::milliseconds handshake_timeout{10'000};
+  // Connections open at once, authenticated or not; one more is refused and closed.
+  size_t max_connections = 1024;
 };
 
 class TcpStoreServer {
@@ -59,7 +79,7 @@ class TcpStoreServer {
 struct StoreClientOptions {
   std::string host = "127.0.0.1";
   uint16_t port = 0;
-  std::optional<std::string> token;  // nullopt reads ZINF_STORE_TOKEN
+  std::optional<std::string> token;  // nullopt reads store_token_from_env()
   // How long connect() keeps retrying a server that is not up yet (refused, unreachable).
   std::chrono::milliseconds connect_timeout{30'000};
   // Bound on each request's round trip beyond its own wait (set, add; get/wait add their timeout).
