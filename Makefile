@@ -10,7 +10,7 @@ DEPS := build-essential cmake ninja-build pkg-config ccache \
         liburing-dev libtbb-dev libboost-dev libopenmpi-dev openmpi-bin libopenblas-dev \
         libgtest-dev libgmock-dev libbenchmark-dev \
         nlohmann-json3-dev libcli11-dev libspdlog-dev libfmt-dev libxxhash-dev \
-        fio fortunes
+        fio fortunes gnuplot-nox
 
 ZINF := $(BUILD_DIR)/cli/zinf
 
