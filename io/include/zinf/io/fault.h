@@ -9,9 +9,10 @@
 //   KIND  eio | enospc | eagain | short   complete with -EIO / -ENOSPC / -EAGAIN, or transfer
 //                                        only part of the bytes
 //   PATH_SUBSTRING (optional)       only files whose path contains it
-// plus two special entries: `direct:refuse` (open(O_DIRECT) fails with EINVAL, exercising the
-// buffered fallback) and `fallocate:enospc` (preallocation fails as on a full disk).
-// Example: ZINF_IO_FAULTS="write:3:eio,read:every:short"
+// plus two special entries: `direct:refuse` (turning O_DIRECT on fails with EINVAL after the
+// file was opened, or created, exercising the buffered fallback as on file systems that create
+// the file before refusing O_DIRECT) and `fallocate:enospc` (preallocation fails as on a full
+// disk). Example: ZINF_IO_FAULTS="write:3:eio,read:every:short"
 //
 // A "submission" is one request chunk handed to the kernel (a request larger than the block
 // size is several chunks); continuations of short transfers and EAGAIN retries count too.
