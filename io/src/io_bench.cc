@@ -302,7 +302,7 @@ Result<IoBenchResult> run_io_bench(const IoBenchOptions& o, const IoBenchProgres
     ZINF_RETURN_IF_ERROR(verify.run("verify", progress, &verify_seconds));
     result.verified_sectors = verify.verified_sectors();
   }
-  engine->drain();
+  ZINF_RETURN_IF_ERROR(engine->drain());
   for (int slot : registered) (void)engine->unregister_buffer(slot);
   (void)engine->unregister_file(file);
   result.bytes = o.size;

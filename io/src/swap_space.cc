@@ -231,7 +231,14 @@ Result<std::unique_ptr<SwapSpace>> SwapSpace::create(IoEngine& engine, SwapSpace
 SwapSpace::~SwapSpace() {
   Impl& s = *impl_;
   std::unique_lock lock(s.mu);
-  s.idle_cv.wait(lock, [&] { return s.in_flight == 0; });
+  // Bounded as the I/O engine's own drain: past the deadline the transfers still in flight are
+  // abandoned with the files (removed), and the state their callbacks touch is left allocated.
+  const auto timeout = std::chrono::milliseconds(s.engine.options().drain_timeout_ms);
+  if (!s.idle_cv.wait_for(lock, timeout, [&] { return s.in_flight == 0; })) {
+    log::error("swap space: {} transfer(s) still in flight after {} ms at shutdown; abandoned",
+               s.in_flight, timeout.count());
+    (void)impl_.release();
+  }
   for (auto& dir : s.dirs) {
     for (size_t i = 0; i < dir.files.size(); ++i) {
       File& file = dir.files[i]->file;
