@@ -33,7 +33,7 @@ struct SwapSpaceOptions {
   std::vector<std::string> directories;    // one per NVMe drive; must exist and be writable
   uint64_t file_bytes = 1ull << 30;        // preallocation unit of the swap files
   uint64_t stripe_min_bytes = 1ull << 20;  // stripe only extents of at least this per directory
-  bool checksum = false;                   // XXH3-64 per extent, verified on read
+  bool checksum = true;                    // XXH3-64 per 1 MiB block, verified on read
   bool direct = true;                      // O_DIRECT (falls back to buffered where refused)
 };
 
