@@ -413,6 +413,7 @@ Status read_zinf(ObjectReader& r, ZinfConfig& z) {
   ZINF_RETURN_IF_ERROR(r.read_bool("checksum", z.checksum));
   ZINF_RETURN_IF_ERROR(r.read_bytes("staging_bytes", z.staging_bytes));
   ZINF_RETURN_IF_ERROR(r.read_bool("overlap_optimizer", z.overlap_optimizer));
+  ZINF_RETURN_IF_ERROR(r.read_uint("max_nonfinite_steps", z.max_nonfinite_steps));
   r.finish();
   return Status::ok();
 }

@@ -91,6 +91,7 @@ Result<EngineSettings> settings_from_config(const config::Config& c) {
   s.max_reuse_distance = c.zero.stage3_max_reuse_distance;
   s.sub_group_elements = c.zero.sub_group_size;
   s.overlap_optimizer = c.zinf.overlap_optimizer;
+  s.max_nonfinite_steps = c.zinf.max_nonfinite_steps;
   return s;
 }
 
@@ -138,6 +139,7 @@ nlohmann::json settings_json(const EngineSettings& s) {
   j["host_mem"] = s.host_mem;
   j["overlap_optimizer"] = s.overlap_optimizer;
   j["checksum"] = s.checksum;
+  j["max_nonfinite_steps"] = s.max_nonfinite_steps;
   j["seed"] = s.seed;
   j["device"] = device_kind_name(s.device);
   j["optimizer_threads"] = s.optimizer_threads;

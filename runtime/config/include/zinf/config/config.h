@@ -171,6 +171,8 @@ struct ZinfConfig {
   // Start each unit's optimizer update during the backward pass once its gradients are final
   // (EngineSettings::overlap_optimizer).
   bool overlap_optimizer = tunables::kOverlapOptimizer.value;
+  // Non-finite gradient norms in a row before a step fails (EngineSettings::max_nonfinite_steps).
+  uint64_t max_nonfinite_steps = tunables::kMaxNonfiniteSteps.value;
 
   bool operator==(const ZinfConfig&) const = default;
 };
