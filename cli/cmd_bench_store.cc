@@ -1,5 +1,6 @@
 // `zinf bench store`: NVMe -> pinned staging -> device through the tiered store, against a plain
-// `zinf bench io` read of the same path, alternating, medians.
+// `zinf bench io` read of the same path, alternating, medians. `--checksum compare` instead sets
+// the store's moves with swap checksums against the same moves without them.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -20,6 +21,7 @@ struct Args {
   std::string staging = "8M";
   int64_t queue_depth = 16;
   int runs = 3;
+  std::string checksum = "on";  // swap checksums: on (zinf's default), off, compare (both)
   bool json = false;
 };
 
@@ -58,6 +60,102 @@ Result<double> store_pass(TieredTensorStore& store, const std::vector<TensorId>&
   return static_cast<double>(bytes) / s;
 }
 
+// One store over its own swap space, device and pinned pool, holding the bench's tensors.
+struct Rig {
+  Ledger ledger;
+  std::unique_ptr<io::SwapSpace> swap;
+  std::unique_ptr<Device> device;
+  std::unique_ptr<PinnedPool> pool;
+  std::unique_ptr<TieredTensorStore> store;
+  std::unique_ptr<Stream> fill_stream;
+  std::vector<TensorId> ids;
+};
+
+std::unique_ptr<Rig> make_rig(io::IoEngine& engine, const std::string& path, uint64_t total,
+                              uint64_t tensor, uint64_t staging, bool checksum) {
+  auto rig = std::make_unique<Rig>();
+  auto swap = io::SwapSpace::create(engine, {.directories = {path}, .checksum = checksum});
+  if (!swap.is_ok()) throw CliError(swap.status().detail(), 2);
+  rig->swap = std::move(*swap);
+  rig->device = make_cpu_device({.budget_bytes = tensor + (64ull << 20), .ledger = &rig->ledger});
+  rig->pool = std::make_unique<PinnedPool>(PinnedPoolOptions{
+      .budget_bytes = 8 * staging + (64ull << 20), .engine = &engine, .ledger = &rig->ledger});
+  auto store = TieredTensorStore::create({.device = rig->device.get(),
+                                          .host = rig->pool.get(),
+                                          .swap = rig->swap.get(),
+                                          .ledger = &rig->ledger,
+                                          .staging_bytes = staging,
+                                          .movers = 1});
+  if (!store.is_ok()) throw CliError(store.status().detail());
+  rig->store = std::move(*store);
+  rig->fill_stream = rig->device->create_stream("bench-fill");
+  for (uint64_t done = 0; done < total; done += tensor) {
+    auto id = rig->store->create_tensor({.name = "bench" + std::to_string(rig->ids.size()),
+                                         .bytes = std::min(tensor, total - done),
+                                         .home = Tier::kNvme});
+    if (!id.is_ok()) throw CliError(id.status().detail());
+    rig->ids.push_back(*id);
+  }
+  return rig;
+}
+
+// Write then read every tensor of the rig: bytes per second each way.
+std::pair<double, double> rig_pass(Rig& rig, uint64_t seed) {
+  auto sw = store_write_pass(*rig.store, *rig.device, *rig.fill_stream, rig.ids, seed);
+  if (!sw.is_ok()) throw CliError(sw.status().detail());
+  auto st = store_pass(*rig.store, rig.ids);
+  if (!st.is_ok()) throw CliError(st.status().detail());
+  return {*sw, *st};
+}
+
+// --checksum compare: the same moves with and without swap checksums, alternating, medians.
+void run_checksum_compare(const Args& a, io::IoEngine& engine, uint64_t total, uint64_t tensor,
+                          uint64_t staging) {
+  auto on = make_rig(engine, a.path, total, tensor, staging, true);
+  auto off = make_rig(engine, a.path, total, tensor, staging, false);
+  std::vector<double> r_on, r_off, w_on, w_off, r_ratio, w_ratio;
+  for (int i = 0; i < a.runs; ++i) {
+    // Alternate which goes first, so neither always reads what was written last.
+    auto first = i % 2 == 0 ? on.get() : off.get();
+    auto second = i % 2 == 0 ? off.get() : on.get();
+    auto [w1, r1] = rig_pass(*first, static_cast<uint64_t>(i) + 1);
+    auto [w2, r2] = rig_pass(*second, static_cast<uint64_t>(i) + 1);
+    const bool on_first = first == on.get();
+    w_on.push_back(on_first ? w1 : w2);
+    r_on.push_back(on_first ? r1 : r2);
+    w_off.push_back(on_first ? w2 : w1);
+    r_off.push_back(on_first ? r2 : r1);
+    r_ratio.push_back(r_on.back() / r_off.back());
+    w_ratio.push_back(w_on.back() / w_off.back());
+  }
+  if (a.json) {
+    nlohmann::json j = {{"bytes", total},
+                        {"tensor_bytes", tensor},
+                        {"staging_bytes", staging},
+                        {"queue_depth", a.queue_depth},
+                        {"read_checksum_on_bytes_per_s", r_on},
+                        {"read_checksum_off_bytes_per_s", r_off},
+                        {"read_median_ratio_on_off", median(r_ratio)},
+                        {"write_checksum_on_bytes_per_s", w_on},
+                        {"write_checksum_off_bytes_per_s", w_off},
+                        {"write_median_ratio_on_off", median(w_ratio)}};
+    std::printf("%s\n", j.dump().c_str());
+    return;
+  }
+  std::printf("zinf bench store: %s of %s tensors, checksums on vs off (%s staging, qd %lld)\n",
+              format_bytes(static_cast<double>(total)).c_str(),
+              format_bytes(static_cast<double>(tensor)).c_str(),
+              format_bytes(static_cast<double>(staging)).c_str(),
+              static_cast<long long>(a.queue_depth));
+  std::printf("  NVMe -> device: on %s, off %s, ratio on/off %.3f\n",
+              format_rate(median(r_on)).c_str(), format_rate(median(r_off)).c_str(),
+              median(r_ratio));
+  std::printf("  device -> NVMe: on %s, off %s, ratio on/off %.3f\n",
+              format_rate(median(w_on)).c_str(), format_rate(median(w_off)).c_str(),
+              median(w_ratio));
+  std::printf("  (medians of %d alternating runs)\n", a.runs);
+}
+
 void run(const Args& a) {
   const uint64_t total = bytes_flag("--size", a.size);
   const uint64_t tensor = bytes_flag("--tensor-size", a.tensor_size);
@@ -67,6 +165,9 @@ void run(const Args& a) {
     throw CliError("--staging must be a positive multiple of 1M", 2);
   }
   if (a.queue_depth < 1 || a.runs < 1) throw CliError("--queue-depth and --runs must be >= 1", 2);
+  if (a.checksum != "on" && a.checksum != "off" && a.checksum != "compare") {
+    throw CliError("--checksum must be on, off or compare, got '" + a.checksum + "'", 2);
+  }
   io::IoBenchOptions io_opts{.directories = {a.path},
                              .size = total,
                              .block_size = 1 << 20,
@@ -77,28 +178,11 @@ void run(const Args& a) {
   auto engine = io::IoEngine::create(
       {.queue_depth = static_cast<uint32_t>(a.queue_depth), .block_size = 1 << 20});
   if (!engine.is_ok()) throw CliError(engine.status().detail());
-  auto swap = io::SwapSpace::create(**engine, {.directories = {a.path}});
-  if (!swap.is_ok()) throw CliError(swap.status().detail(), 2);
-  Ledger ledger;
-  auto device = make_cpu_device({.budget_bytes = tensor + (64ull << 20), .ledger = &ledger});
-  PinnedPool pool(
-      {.budget_bytes = 8 * staging + (64ull << 20), .engine = engine->get(), .ledger = &ledger});
-  auto store = TieredTensorStore::create({.device = device.get(),
-                                          .host = &pool,
-                                          .swap = swap->get(),
-                                          .ledger = &ledger,
-                                          .staging_bytes = staging,
-                                          .movers = 1});
-  if (!store.is_ok()) throw CliError(store.status().detail());
-  auto fill_stream = device->create_stream("bench-fill");
-  std::vector<TensorId> ids;
-  for (uint64_t done = 0; done < total; done += tensor) {
-    auto id = (*store)->create_tensor({.name = "bench" + std::to_string(ids.size()),
-                                       .bytes = std::min(tensor, total - done),
-                                       .home = Tier::kNvme});
-    if (!id.is_ok()) throw CliError(id.status().detail());
-    ids.push_back(*id);
+  if (a.checksum == "compare") {
+    run_checksum_compare(a, **engine, total, tensor, staging);
+    return;
   }
+  auto rig = make_rig(**engine, a.path, total, tensor, staging, a.checksum == "on");
   // Each run: bench io writes and reads its file, then the store writes every tensor back and
   // reads it in again, so both read data written equally recently.
   std::vector<double> store_rates, io_rates, ratios, wstore_rates, wio_rates, wratios;
@@ -109,22 +193,20 @@ void run(const Args& a) {
     if (!iow.is_ok()) throw CliError(iow.status().detail());
     auto io = io::run_io_bench(io_opts);
     if (!io.is_ok()) throw CliError(io.status().detail());
-    auto sw = store_write_pass(**store, *device, *fill_stream, ids, static_cast<uint64_t>(i) + 1);
-    if (!sw.is_ok()) throw CliError(sw.status().detail());
-    auto st = store_pass(**store, ids);
-    if (!st.is_ok()) throw CliError(st.status().detail());
+    auto [sw, st] = rig_pass(*rig, static_cast<uint64_t>(i) + 1);
     io_rates.push_back(io->bytes_per_s);
-    store_rates.push_back(*st);
-    ratios.push_back(*st / io->bytes_per_s);
+    store_rates.push_back(st);
+    ratios.push_back(st / io->bytes_per_s);
     wio_rates.push_back(iow->bytes_per_s);
-    wstore_rates.push_back(*sw);
-    wratios.push_back(*sw / iow->bytes_per_s);
+    wstore_rates.push_back(sw);
+    wratios.push_back(sw / iow->bytes_per_s);
   }
   if (a.json) {
     nlohmann::json j = {{"bytes", total},
                         {"tensor_bytes", tensor},
                         {"staging_bytes", staging},
                         {"queue_depth", a.queue_depth},
+                        {"checksum", a.checksum == "on"},
                         {"read_store_bytes_per_s", store_rates},
                         {"read_io_bytes_per_s", io_rates},
                         {"read_median_ratio", median(ratios)},
@@ -134,10 +216,11 @@ void run(const Args& a) {
     std::printf("%s\n", j.dump().c_str());
     return;
   }
-  std::printf("zinf bench store: %s of %s tensors, NVMe -> pinned (%s staging) -> device\n",
-              format_bytes(static_cast<double>(total)).c_str(),
-              format_bytes(static_cast<double>(tensor)).c_str(),
-              format_bytes(static_cast<double>(staging)).c_str());
+  std::printf(
+      "zinf bench store: %s of %s tensors, NVMe -> pinned (%s staging) -> device, checksums %s\n",
+      format_bytes(static_cast<double>(total)).c_str(),
+      format_bytes(static_cast<double>(tensor)).c_str(),
+      format_bytes(static_cast<double>(staging)).c_str(), a.checksum.c_str());
   std::printf("  NVMe -> device: store %s, bench io read (1M, qd %lld) %s, ratio %.3f\n",
               format_rate(median(store_rates)).c_str(), static_cast<long long>(a.queue_depth),
               format_rate(median(io_rates)).c_str(), median(ratios));
@@ -157,6 +240,9 @@ const Registration kBenchStore{
       sub.add_option("--staging", a->staging, "Staging piece size (default 8M)");
       sub.add_option("--queue-depth", a->queue_depth, "I/O queue depth (default 16)");
       sub.add_option("--runs", a->runs, "Alternating runs (default 3)");
+      sub.add_option("--checksum", a->checksum,
+                     "Swap block checksums: on (the default, as zinf.checksum), off, or compare "
+                     "(the store's moves with and without them, alternating; ratio on/off)");
       sub.add_flag("--json", a->json, "Print one JSON object");
       sub.callback([a] { run(*a); });
     }};

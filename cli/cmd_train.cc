@@ -43,6 +43,7 @@ struct Args {
   std::vector<std::string> nvme_paths;
   std::string prefetch_bucket, max_live, reuse_distance, sub_group;
   bool overlap_optimizer = false;
+  bool no_checksum = false;
 };
 
 // The flags given, as build_train_settings() takes them.
@@ -69,7 +70,8 @@ TrainFlags train_flags(const Args& a, const CLI::App& sub) {
                     .device_mem = opt("--device-mem", a.device_mem),
                     .host_mem = opt("--host-mem", a.host_mem),
                     .overlap_optimizer = a.overlap_optimizer,
-                    .trace = opt("--trace", a.trace)};
+                    .trace = opt("--trace", a.trace),
+                    .no_checksum = a.no_checksum};
 }
 
 // Help text of a tunable's flag: what it does, its JSON key and what leaving it out means.
@@ -341,6 +343,9 @@ const Registration kTrain{
                      help("Write a Chrome/Perfetto trace (tracks per rank: compute, comm, copy, "
                           "NVMe read/write, CPU Adam)",
                           t::kTrace));
+      sub.add_flag("--no-checksum", a->no_checksum,
+                   "Turn off the XXH3 checksums of swapped blocks (zinf.checksum; default on). "
+                   "Their cost is measured in docs/security.md");
       sub.add_option("--log-json", a->log_json,
                      "Write the effective settings ({\"settings\": ...}), the budgets chosen "
                      "({\"budgets\": ...}) and then one JSON object per step to this file");

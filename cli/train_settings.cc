@@ -157,6 +157,7 @@ TrainSettings build_train_settings(const TrainFlags& f, const config::Config* cf
   if (f.device_mem) c.zinf.device_mem = budget_flag("--device-mem", *f.device_mem);
   if (f.host_mem) c.zinf.host_mem = budget_flag("--host-mem", *f.host_mem);
   if (f.trace) c.zinf.trace = *f.trace;
+  if (f.no_checksum) c.zinf.checksum = false;
 
   // DeepSpeed's rule for an absent overlap_comm, applied to the stage in the end.
   const bool overlap_rule = !sets(entry(t::kOverlapComm.name));
@@ -202,6 +203,7 @@ TrainSettings build_train_settings(const TrainFlags& f, const config::Config* cf
       {"--host-mem", f.host_mem.has_value()},
       {"--overlap-optimizer", f.overlap_optimizer},
       {"--trace", f.trace.has_value()},
+      {"--no-checksum", f.no_checksum},
   };
   for (const t::Entry& e : t::kAll) {
     Source s = Source::kDefault;

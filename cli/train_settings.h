@@ -40,6 +40,7 @@ struct TrainFlags {
   std::optional<std::string> host_mem;
   bool overlap_optimizer = false;
   std::optional<std::string> trace;
+  bool no_checksum = false;  // --no-checksum: zinf.checksum false
 };
 
 // Where a setting's value came from.

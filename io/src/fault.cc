@@ -69,8 +69,10 @@ Status FaultInjector::add_spec(std::string_view spec) {
       rule.op = IoOp::kRead;
     else if (fields[0] == "write")
       rule.op = IoOp::kWrite;
+    else if (fields[0] == "submit")
+      rule.target = FaultTarget::kRingSubmit;
     else if (fields[0] != "any")
-      return bad("OP must be read, write or any");
+      return bad("OP must be read, write, any or submit");
     std::string_view which = fields[1];
     if (which == "every") {
       rule.nth = 1;
@@ -93,8 +95,20 @@ Status FaultInjector::add_spec(std::string_view spec) {
       rule.kind = FaultKind::kShort;
     else if (fields[2] == "eagain")
       rule.kind = FaultKind::kEagain;
+    else if (fields[2] == "corrupt")
+      rule.kind = FaultKind::kCorrupt;
+    else if (fields[2] == "hang")
+      rule.kind = FaultKind::kHang;
     else
-      return bad("KIND must be eio, enospc, eagain or short");
+      return bad("KIND must be eio, enospc, eagain, short, corrupt or hang");
+    if (rule.kind == FaultKind::kCorrupt && rule.op != IoOp::kRead) {
+      return bad("corrupt applies to reads only");
+    }
+    if (rule.target == FaultTarget::kRingSubmit &&
+        (rule.kind == FaultKind::kShort || rule.kind == FaultKind::kCorrupt ||
+         rule.kind == FaultKind::kHang || fields.size() == 4)) {
+      return bad("a submit rule fails io_uring_enter with eio, enospc or eagain, for any file");
+    }
     if (fields.size() == 4) rule.path_contains = std::string(fields[3]);
     parsed.push_back(std::move(rule));
   }
@@ -121,6 +135,7 @@ std::optional<FaultKind> FaultInjector::on_submit(IoOp op, const std::string& pa
   if (!active()) return std::nullopt;
   std::lock_guard lock(mu_);
   for (auto& e : rules_) {
+    if (e.rule.target != FaultTarget::kChunks) continue;
     if (e.rule.op && *e.rule.op != op) continue;
     if (!e.rule.path_contains.empty() && path.find(e.rule.path_contains) == std::string::npos) {
       continue;
@@ -129,6 +144,22 @@ std::optional<FaultKind> FaultInjector::on_submit(IoOp op, const std::string& pa
     if (e.seen == e.rule.nth || (e.rule.and_after && e.seen > e.rule.nth)) {
       ++fired_;
       return e.rule.kind;
+    }
+  }
+  return std::nullopt;
+}
+
+std::optional<int> FaultInjector::on_ring_submit() {
+  if (!active()) return std::nullopt;
+  std::lock_guard lock(mu_);
+  for (auto& e : rules_) {
+    if (e.rule.target != FaultTarget::kRingSubmit) continue;
+    ++e.seen;
+    if (e.seen == e.rule.nth || (e.rule.and_after && e.seen > e.rule.nth)) {
+      ++fired_;
+      return e.rule.kind == FaultKind::kEnospc   ? ENOSPC
+             : e.rule.kind == FaultKind::kEagain ? EAGAIN
+                                                 : EIO;
     }
   }
   return std::nullopt;

@@ -334,7 +334,7 @@ Result<IoBenchResult> run_io_bench(const IoBenchOptions& o, const IoBenchProgres
       result.read_back_bytes_per_s = static_cast<double>(o.size) / verify_seconds;
     }
   }
-  engine->drain();
+  ZINF_RETURN_IF_ERROR(engine->drain());
   for (int slot : registered) (void)engine->unregister_buffer(slot);
   for (const File& file : files) (void)engine->unregister_file(file);
   result.bytes = o.size;

@@ -1,6 +1,7 @@
 #include "zinf/io/io_engine.h"
 
 #include <liburing.h>
+#include <poll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -9,7 +10,9 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <limits>
 #include <mutex>
+#include <optional>
 #include <shared_mutex>
 #include <thread>
 #include <unordered_map>
@@ -22,6 +25,11 @@ namespace {
 
 constexpr uint64_t kEventTag = ~uint64_t{0};    // user_data of the wake-up read on the eventfd
 constexpr uint64_t kMaxBlockSize = 1ull << 30;  // one SQE moves at most 2^31-1 bytes
+// The result a chunk completes with when its ring is broken (no errno is that negative).
+constexpr int kBrokenRes = std::numeric_limits<int>::min();
+// While stopping, the ring thread waits for completions in slices of this much, so that it sees
+// the stop deadline go by.
+constexpr auto kStopSlice = std::chrono::milliseconds(20);
 
 const char* op_name(IoOp op) { return op == IoOp::kRead ? "read" : "write"; }
 
@@ -60,7 +68,7 @@ class IoEngine::Ring {
   };
 
   Ring(IoEngine& engine, uint32_t index) : engine_(engine), index_(index) {}
-  ~Ring() { stop(); }
+  ~Ring() { stop(std::chrono::steady_clock::now()); }
 
   Status init() {
     const auto& o = engine_.options_;
@@ -77,6 +85,7 @@ class IoEngine::Ring {
                                           o.queue_depth));
     }
     ring_ok_ = true;
+    timed_wait_ = (params.features & IORING_FEAT_EXT_ARG) != 0;
     event_fd_ = ::eventfd(0, EFD_CLOEXEC);
     if (event_fd_ < 0) return errno_status(errno, "cannot create eventfd for io_uring ring");
     chunks_.resize(o.queue_depth);
@@ -122,7 +131,9 @@ class IoEngine::Ring {
     if (wake && tls_ring_ != this) wake_up();
   }
 
-  void stop() {
+  // Waits for the ring thread to finish what it holds, until `deadline`; past it, the chunks
+  // still in flight are abandoned (logged).
+  void stop(std::chrono::steady_clock::time_point deadline) {
     if (!thread_.joinable()) {
       close_resources();
       return;
@@ -130,6 +141,7 @@ class IoEngine::Ring {
     {
       std::lock_guard lock(mu_);
       stopping_ = true;
+      stop_deadline_ = deadline;
     }
     wake_up();
     thread_.join();
@@ -161,6 +173,7 @@ class IoEngine::Ring {
     uint64_t length = 0;
     uint64_t done = 0;  // bytes transferred so far (short transfers continue from here)
     uint32_t retries = 0;
+    bool corrupt = false;  // fault injection: flip a byte of what this read brings in
   };
 
   void wake_up() {
@@ -181,18 +194,66 @@ class IoEngine::Ring {
     }
   }
 
-  io_uring_sqe* get_sqe() {
+  // An SQE for `chunk` (nullptr: the eventfd wake-up read). Never called on a broken ring.
+  io_uring_sqe* get_sqe(Chunk* chunk) {
     io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
     if (sqe == nullptr) {  // cannot happen while in-flight <= queue depth; flush to be safe
-      io_uring_submit(&ring_);
+      enter(0);
       sqe = io_uring_get_sqe(&ring_);
     }
     ZINF_CHECK(sqe != nullptr, "io_uring submission queue full");
+    sq_order_.push_back(chunk);
     return sqe;
   }
 
+  // io_uring_enter: submits what is prepared and, with wait_nr 1, waits for a completion (in
+  // slices of kStopSlice once stopping, where the kernel can time the wait). Tracks how long
+  // submissions have been failing. Returns the call's result.
+  int enter(unsigned wait_nr, bool stopping = false) {
+    int rc;
+    if (auto err = FaultInjector::global().on_ring_submit()) {
+      rc = -*err;
+    } else if (wait_nr == 0) {
+      rc = io_uring_submit(&ring_);
+    } else if (stopping && timed_wait_) {
+      __kernel_timespec ts{.tv_sec = 0, .tv_nsec = std::chrono::nanoseconds(kStopSlice).count()};
+      io_uring_cqe* cqe = nullptr;
+      rc = io_uring_submit_and_wait_timeout(&ring_, &cqe, wait_nr, &ts, nullptr);
+      if (rc == -ETIME) rc = 0;
+    } else {
+      rc = io_uring_submit_and_wait(&ring_, wait_nr);
+    }
+    // What the kernel took leaves the front of sq_order_ (the SQ is consumed in order).
+    while (sq_order_.size() > io_uring_sq_ready(&ring_)) sq_order_.pop_front();
+    if (rc >= 0 || rc == -EINTR) {
+      failing_since_.reset();
+    } else {
+      last_submit_error_ = -rc;
+      if (!failing_since_) failing_since_ = std::chrono::steady_clock::now();
+    }
+    return rc;
+  }
+
+  // io_uring_enter has failed for longer than submit_retry_ms: the chunks whose SQEs the kernel
+  // never took fail (they stay in the SQ and the ring is never entered again), and so does every
+  // chunk issued from now on.
+  void break_ring() {
+    auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                  std::chrono::steady_clock::now() - *failing_since_)
+                  .count();
+    broken_ = errno_status(last_submit_error_,
+                           fmt::format("io_uring ring {} is broken: submitting to it failed for "
+                                       "{} ms (gave up after submit_retry_ms = {})",
+                                       index_, ms, engine_.options_.submit_retry_ms));
+    log::error("{}", broken_.to_string());
+    for (Chunk* c : sq_order_) {
+      if (c != nullptr) synthetic_.push_back({c, kBrokenRes});
+    }
+    sq_order_.clear();
+  }
+
   void arm_wakeup() {
-    io_uring_sqe* sqe = get_sqe();
+    io_uring_sqe* sqe = get_sqe(nullptr);
     io_uring_prep_read(sqe, event_fd_, &event_value_, sizeof(event_value_), 0);
     io_uring_sqe_set_data64(sqe, kEventTag);
   }
@@ -235,6 +296,10 @@ class IoEngine::Ring {
     uint64_t offset = r.offset + pos;
     ++stats_.chunks_submitted;
 
+    if (!broken_.is_ok()) {
+      synthetic_.push_back({c, kBrokenRes});
+      return;
+    }
     FaultInjector& faults = FaultInjector::global();
     if (faults.active()) {
       if (auto fault = faults.on_submit(r.op, r.file->path())) {
@@ -242,6 +307,11 @@ class IoEngine::Ring {
           uint64_t align = std::max<uint64_t>(r.file->offset_alignment(), 1);
           uint64_t shorter = align_down(len / 2, align);
           if (shorter > 0 && shorter < len) len = shorter;
+        } else if (*fault == FaultKind::kCorrupt) {
+          c->corrupt = true;
+        } else if (*fault == FaultKind::kHang) {
+          parked_.push_back(c);  // in flight for ever
+          return;
         } else {
           int res = *fault == FaultKind::kEio      ? -EIO
                     : *fault == FaultKind::kEnospc ? -ENOSPC
@@ -252,7 +322,7 @@ class IoEngine::Ring {
       }
     }
 
-    io_uring_sqe* sqe = get_sqe();
+    io_uring_sqe* sqe = get_sqe(c);
     int fd = op->p.file_slot >= 0 ? op->p.file_slot : r.file->fd();
     auto n = static_cast<unsigned>(len);
     if (op->p.buf_index >= 0) {
@@ -270,7 +340,7 @@ class IoEngine::Ring {
     if (op->p.file_slot >= 0) sqe->flags |= IOSQE_FIXED_FILE;
     io_uring_sqe_set_data(sqe, c);
     // aio.single_submit: every chunk goes to the kernel on its own (one system call each).
-    if (engine_.options_.single_submit) io_uring_submit(&ring_);
+    if (engine_.options_.single_submit) enter(0);
   }
 
   void on_chunk_result(Chunk* c, int res) {
@@ -282,7 +352,9 @@ class IoEngine::Ring {
       return fmt::format("{} of {} bytes at offset {} of {}", op_name(r.op), remaining,
                          r.offset + pos, r.file->path());
     };
-    if (res == -EAGAIN || res == -EINTR) {
+    if (res == kBrokenRes) {
+      set_error(op, Status(broken_).with_context(describe()));
+    } else if (res == -EAGAIN || res == -EINTR) {
       if (++c->retries <= engine_.options_.max_retries) {
         ++stats_.retries;
         issue(c);
@@ -300,6 +372,10 @@ class IoEngine::Ring {
       auto moved = static_cast<uint64_t>(res);
       ZINF_CHECK(moved <= remaining, "kernel reported {} bytes for a {}-byte chunk", moved,
                  remaining);
+      if (c->corrupt && r.op == IoOp::kRead) {  // fault injection: the disk returned bad data
+        static_cast<char*>(r.buffer)[pos] ^= 0x5a;
+        c->corrupt = false;
+      }
       c->done += moved;
       (r.op == IoOp::kRead ? stats_.bytes_read : stats_.bytes_written) += moved;
       if (c->done < c->length) {
@@ -347,7 +423,7 @@ class IoEngine::Ring {
     while (true) {
       take_incoming();
       fill();
-      // Fault-injected completions are handled here, without the kernel.
+      // Fault-injected and broken-ring completions are handled here, without the kernel.
       while (!synthetic_.empty()) {
         auto pending = std::move(synthetic_);
         synthetic_.clear();
@@ -355,52 +431,122 @@ class IoEngine::Ring {
         take_incoming();
         fill();
       }
+      bool stopping;
       {
         std::lock_guard lock(mu_);
+        stopping = stopping_;
         if (idle() && stopping_ && incoming_.empty()) break;
+        if (stopping_ && std::chrono::steady_clock::now() >= stop_deadline_) {
+          abandon();
+          break;
+        }
         // A callback run by fill() may have enqueued to this ring without a wake-up (it is this
         // thread): never block with requests waiting in incoming_.
         if (!incoming_.empty()) {
-          io_uring_submit(&ring_);
+          if (broken_.is_ok()) enter(0);
           continue;
         }
       }
-      int rc = io_uring_submit_and_wait(&ring_, 1);
-      if (rc < 0 && rc != -EINTR && rc != -EAGAIN && rc != -EBUSY) {
-        log::error("io_uring_submit_and_wait on ring {} failed: {}", index_, std::strerror(-rc));
+      if (!broken_.is_ok()) {
+        wait_broken();
+        continue;
+      }
+      int rc = enter(1, stopping);
+      if (rc < 0 && rc != -EINTR) {
+        if (std::chrono::steady_clock::now() - *failing_since_ >=
+            std::chrono::milliseconds(engine_.options_.submit_retry_ms)) {
+          break_ring();
+          continue;
+        }
+        log::warn_once(fmt::format("io:submit:{}", index_),
+                       fmt::format("io_uring_enter on ring {} failed: {}; retrying for up to {} "
+                                   "ms (reported once)",
+                                   index_, std::strerror(-rc), engine_.options_.submit_retry_ms));
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
       }
-      bool rearm = false;
-      io_uring_cqe* cqe;
-      unsigned head, seen = 0;
-      // Collect first: handlers may prepare new SQEs, which is fine, but keep the CQ walk simple.
-      reaped_.clear();
-      io_uring_for_each_cqe(&ring_, head, cqe) {
-        ++seen;
-        if (cqe->user_data == kEventTag) {
-          rearm = true;
-        } else {
-          reaped_.push_back({static_cast<Chunk*>(io_uring_cqe_get_data(cqe)), cqe->res});
-        }
-      }
-      io_uring_cq_advance(&ring_, seen);
-      for (auto [c, res] : reaped_) on_chunk_result(c, res);
+      bool rearm = reap();
       if (rearm) arm_wakeup();
     }
     tls_ring_ = nullptr;
+  }
+
+  // Handles the completions in the CQ; whether the eventfd read completed (to re-arm it).
+  bool reap() {
+    bool rearm = false;
+    io_uring_cqe* cqe;
+    unsigned head, seen = 0;
+    // Collect first: handlers may prepare new SQEs, which is fine, but keep the CQ walk simple.
+    reaped_.clear();
+    io_uring_for_each_cqe(&ring_, head, cqe) {
+      ++seen;
+      if (cqe->user_data == kEventTag) {
+        rearm = true;
+      } else {
+        reaped_.push_back({static_cast<Chunk*>(io_uring_cqe_get_data(cqe)), cqe->res});
+      }
+    }
+    io_uring_cq_advance(&ring_, seen);
+    for (auto [c, res] : reaped_) on_chunk_result(c, res);
+    return rearm;
+  }
+
+  // A broken ring is never entered again: new work is noticed on the eventfd (or by the next
+  // slice), and completions of what the kernel took are read from the CQ without a system call.
+  void wait_broken() {
+    pollfd pfd{.fd = event_fd_, .events = POLLIN, .revents = 0};
+    if (::poll(&pfd, 1, static_cast<int>(kStopSlice.count())) > 0) {
+      uint64_t value;
+      (void)!::read(event_fd_, &value, sizeof(value));
+    }
+    (void)reap();
+  }
+
+  // The stop deadline passed with chunks in flight: they are left to the kernel (or, injected
+  // hangs, to nobody); their requests never complete.
+  void abandon() {
+    const uint32_t n = in_flight();
+    std::vector<Op*> ops;  // each once: their callbacks never run
+    for (Chunk& c : chunks_) {
+      if (c.op != nullptr &&
+          std::find(free_chunks_.begin(), free_chunks_.end(), &c) == free_chunks_.end() &&
+          std::find(ops.begin(), ops.end(), c.op) == ops.end()) {
+        ops.push_back(c.op);
+      }
+    }
+    for (Op* op : active_) {
+      if (std::find(ops.begin(), ops.end(), op) == ops.end()) ops.push_back(op);
+    }
+    std::string first = "?";
+    if (!ops.empty()) {
+      const IoRequest& r = ops.front()->p.request;
+      first = fmt::format("{} of {} bytes at offset {} of {}", op_name(r.op), r.length, r.offset,
+                          r.file->path());
+    }
+    log::error(
+        "io_uring ring {}: {} chunk(s) of {} request(s) still in flight at shutdown after the "
+        "drain deadline (drain_timeout_ms = {}), abandoned; the first: {}",
+        index_, n, ops.size(), engine_.options_.drain_timeout_ms, first);
+    // Nothing reads the CQ after this, so nothing reaches these again.
+    for (Op* op : ops) delete op;
+    active_.clear();
+    free_chunks_.clear();
+    for (Chunk& c : chunks_) free_chunks_.push_back(&c);
+    parked_.clear();
   }
 
   IoEngine& engine_;
   uint32_t index_;
   io_uring ring_{};
   bool ring_ok_ = false;
+  bool timed_wait_ = false;  // IORING_FEAT_EXT_ARG: io_uring_submit_and_wait_timeout needs no SQE
   int event_fd_ = -1;
   uint64_t event_value_ = 0;
   std::thread thread_;
 
   std::mutex mu_;
-  std::deque<Pending> incoming_;  // guarded by mu_
-  bool stopping_ = false;         // guarded by mu_
+  std::deque<Pending> incoming_;                         // guarded by mu_
+  bool stopping_ = false;                                // guarded by mu_
+  std::chrono::steady_clock::time_point stop_deadline_;  // guarded by mu_
 
   // Owned by the ring thread.
   std::deque<Op*> active_;  // requests not yet fully carved into chunks
@@ -408,6 +554,11 @@ class IoEngine::Ring {
   std::vector<Chunk*> free_chunks_;
   std::vector<std::pair<Chunk*, int>> synthetic_;
   std::vector<std::pair<Chunk*, int>> reaped_;
+  std::deque<Chunk*> sq_order_;  // the chunk of each SQE the kernel has not taken yet, in order
+  std::vector<Chunk*> parked_;   // fault injection: chunks that never complete
+  Status broken_;                // set once: submissions failed for longer than submit_retry_ms
+  std::optional<std::chrono::steady_clock::time_point> failing_since_;
+  int last_submit_error_ = 0;
 
   struct AtomicStats {
     std::atomic<uint64_t> requests_completed{0}, requests_failed{0}, chunks_submitted{0},
@@ -423,8 +574,13 @@ IoEngine::IoEngine(const IoEngineOptions& options)
     : options_(options), registry_(std::make_unique<Registry>()) {}
 
 IoEngine::~IoEngine() {
-  drain();
-  for (auto& r : rings_) r->stop();
+  Status drained = drain(std::chrono::milliseconds(options_.drain_timeout_ms));
+  if (!drained.is_ok()) log::error("{}", drained.to_string());
+  // After a timed-out drain the rings do not wait again.
+  const auto deadline = drained.is_ok() ? std::chrono::steady_clock::now() +
+                                              std::chrono::milliseconds(options_.drain_timeout_ms)
+                                        : std::chrono::steady_clock::now();
+  for (auto& r : rings_) r->stop(deadline);
 }
 
 Result<std::unique_ptr<IoEngine>> IoEngine::create(const IoEngineOptions& options) {
@@ -648,10 +804,18 @@ Status IoEngine::unregister_file(const File& file) {
   return Status::ok();
 }
 
-void IoEngine::drain() {
+Status IoEngine::drain(std::chrono::milliseconds timeout) {
   auto& reg = *registry_;
   std::unique_lock lock(reg.drain_mu);
-  reg.drain_cv.wait(lock, [&] { return reg.completed == reg.accepted; });
+  auto done = [&] { return reg.completed == reg.accepted; };
+  if (timeout == std::chrono::milliseconds::max()) {
+    reg.drain_cv.wait(lock, done);
+  } else if (!reg.drain_cv.wait_for(lock, timeout, done)) {
+    return make_error(ErrorCode::kTimeout,
+                      "{} I/O request(s) still outstanding after waiting {} ms for them",
+                      reg.accepted - reg.completed, timeout.count());
+  }
+  return Status::ok();
 }
 
 IoStats IoEngine::stats() const {

@@ -1,5 +1,6 @@
 #include "zinf/io/swap_space.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -7,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <condition_variable>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -54,11 +56,23 @@ struct SwapFile {
 };
 
 struct Directory {
-  std::string root;
-  std::string run_dir;
+  DirHandle root;        // the directory the user named
+  std::string run_name;  // the run directory's name inside it
+  DirHandle run;         // the run directory: swap files are created and removed relative to it
   std::vector<std::unique_ptr<SwapFile>> files;
   uint32_t files_created = 0;
 };
+
+std::string file_name(uint32_t index) { return fmt::format("swap-{}.bin", index); }
+
+// Removes the (empty) run directory; a warning names it when it cannot.
+void remove_run_directory(Directory& d) {
+  d.run = DirHandle();
+  if (::unlinkat(d.root.fd(), d.run_name.c_str(), AT_REMOVEDIR) != 0) {
+    log::warn("cannot remove run directory {}/{}: {}", d.root.path(), d.run_name,
+              std::strerror(errno));
+  }
+}
 
 struct Piece {
   SwapFile* file;
@@ -103,20 +117,23 @@ struct SwapSpace::Impl {
       if (auto offset = f->take(length)) return Piece{f.get(), *offset, 0, length};
     }
     uint64_t file_size = std::max(options.file_bytes, length);
-    std::string path = fmt::format("{}/swap-{}.bin", dir.run_dir, dir.files_created);
+    const std::string name = file_name(dir.files_created);
     FileOptions fo{.create = true, .exclusive = true, .direct = options.direct};
-    ZINF_ASSIGN_OR_RETURN(File file, File::open(path, fo));
+    ZINF_ASSIGN_OR_RETURN(File file, File::open_at(dir.run, name, fo));
+    const std::string path = file.path();
+    auto remove = [&] {
+      (void)file.close();
+      ::unlinkat(dir.run.fd(), name.c_str(), 0);
+    };
     Status s = file.preallocate(0, file_size);
     if (!s.is_ok()) {
-      (void)file.close();
-      ::unlink(path.c_str());
+      remove();
       return std::move(s).with_context(
           fmt::format("swap space on {} is full or unusable ({} needed for a new swap file)",
-                      dir.root, format_bytes(static_cast<double>(file_size))));
+                      dir.root.path(), format_bytes(static_cast<double>(file_size))));
     }
     if (file.offset_alignment() > kAlignment) {
-      (void)file.close();
-      ::unlink(path.c_str());
+      remove();
       return make_error(ErrorCode::kInvalidArgument,
                         "{} needs {}-byte direct I/O alignment; swap space supports up to {}", path,
                         file.offset_alignment(), kAlignment);
@@ -156,26 +173,57 @@ Result<std::unique_ptr<SwapSpace>> SwapSpace::create(IoEngine& engine, SwapSpace
                       options.file_bytes);
   }
   auto impl = std::make_unique<Impl>(engine, options);
+  // On a failure the run directories made so far are removed: nothing is left behind.
+  auto undo = [&] {
+    for (auto& d : impl->dirs) remove_run_directory(d);
+  };
   std::random_device rd;
   for (const std::string& root : options.directories) {
     struct stat st {};
     if (::stat(root.c_str(), &st) != 0) {
       Status s = errno_status(errno, fmt::format("swap directory {} is not usable", root));
-      for (auto& d : impl->dirs) ::rmdir(d.run_dir.c_str());
+      undo();
       return s;
     }
     if (!S_ISDIR(st.st_mode) || ::access(root.c_str(), W_OK | X_OK) != 0) {
-      for (auto& d : impl->dirs) ::rmdir(d.run_dir.c_str());
+      undo();
       return make_error(ErrorCode::kInvalidArgument, "swap directory {} is {}", root,
                         S_ISDIR(st.st_mode) ? "not writable" : "not a directory");
     }
-    std::string run_dir = fmt::format("{}/zinf-{}-{:08x}", root, ::getpid(), rd());
-    if (::mkdir(run_dir.c_str(), 0700) != 0) {
-      Status s = errno_status(errno, fmt::format("cannot create run directory {}", run_dir));
-      for (auto& d : impl->dirs) ::rmdir(d.run_dir.c_str());
+    auto root_dir = DirHandle::open(root);
+    if (!root_dir.is_ok()) {
+      undo();
+      return std::move(root_dir).take_status().with_context("swap directory");
+    }
+    // Private: 0700 whatever the umask (which can only take bits away), opened without following
+    // a symlink, and checked to be the directory just made.
+    std::string run_name = fmt::format("zinf-{}-{:08x}", ::getpid(), rd());
+    std::string run_path = root + "/" + run_name;
+    if (::mkdirat(root_dir->fd(), run_name.c_str(), 0700) != 0) {
+      Status s = errno_status(errno, fmt::format("cannot create run directory {}", run_path));
+      undo();
       return s;
     }
-    impl->dirs.push_back(Directory{.root = root, .run_dir = run_dir});
+    Directory d{.root = std::move(*root_dir), .run_name = run_name};
+    auto run = DirHandle::open_at(d.root, run_name);
+    Status made = run.is_ok() ? Status::ok() : run.status();
+    struct stat run_st {};
+    if (made.is_ok() && ::fstat(run->fd(), &run_st) != 0) {
+      made = errno_status(errno, fmt::format("cannot stat run directory {}", run_path));
+    } else if (made.is_ok() && (run_st.st_uid != ::geteuid() || (run_st.st_mode & 0077) != 0)) {
+      made = make_error(ErrorCode::kInvalidArgument,
+                        "run directory {} is not private to this user (mode {:o}, owner {})",
+                        run_path, run_st.st_mode & 07777, run_st.st_uid);
+    } else if (made.is_ok() && ::fchmod(run->fd(), 0700) != 0) {
+      made = errno_status(errno, fmt::format("cannot set the mode of run directory {}", run_path));
+    }
+    if (!made.is_ok()) {
+      impl->dirs.push_back(std::move(d));
+      undo();
+      return made;
+    }
+    d.run = std::move(*run);
+    impl->dirs.push_back(std::move(d));
   }
   return std::unique_ptr<SwapSpace>(new SwapSpace(std::move(impl)));
 }
@@ -183,18 +231,27 @@ Result<std::unique_ptr<SwapSpace>> SwapSpace::create(IoEngine& engine, SwapSpace
 SwapSpace::~SwapSpace() {
   Impl& s = *impl_;
   std::unique_lock lock(s.mu);
-  s.idle_cv.wait(lock, [&] { return s.in_flight == 0; });
+  // Bounded as the I/O engine's own drain: past the deadline the transfers still in flight are
+  // abandoned with the files (removed), and the state their callbacks touch is left allocated.
+  const auto timeout = std::chrono::milliseconds(s.engine.options().drain_timeout_ms);
+  if (!s.idle_cv.wait_for(lock, timeout, [&] { return s.in_flight == 0; })) {
+    log::error("swap space: {} transfer(s) still in flight after {} ms at shutdown; abandoned",
+               s.in_flight, timeout.count());
+    (void)impl_.release();
+  }
   for (auto& dir : s.dirs) {
-    for (auto& f : dir.files) {
-      (void)s.engine.unregister_file(f->file);
-      std::string path = f->file.path();
-      Status c = f->file.close();
+    for (size_t i = 0; i < dir.files.size(); ++i) {
+      File& file = dir.files[i]->file;
+      (void)s.engine.unregister_file(file);
+      std::string path = file.path();
+      Status c = file.close();
       if (!c.is_ok()) log::warn("{}", c.to_string());
-      if (::unlink(path.c_str()) != 0) log::warn("cannot remove swap file {}", path);
+      const std::string name = path.substr(path.rfind('/') + 1);
+      if (::unlinkat(dir.run.fd(), name.c_str(), 0) != 0) {
+        log::warn("cannot remove swap file {}: {}", path, std::strerror(errno));
+      }
     }
-    if (::rmdir(dir.run_dir.c_str()) != 0) {
-      log::warn("cannot remove run directory {}: {}", dir.run_dir, std::strerror(errno));
-    }
+    remove_run_directory(dir);
   }
 }
 
@@ -456,7 +513,7 @@ SwapStats SwapSpace::stats() const {
 std::vector<std::string> SwapSpace::run_directories() const {
   std::lock_guard lock(impl_->mu);
   std::vector<std::string> out;
-  for (auto& d : impl_->dirs) out.push_back(d.run_dir);
+  for (auto& d : impl_->dirs) out.push_back(d.root.path() + "/" + d.run_name);
   return out;
 }
 

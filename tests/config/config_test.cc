@@ -120,7 +120,7 @@ TEST(Config, EmptyObjectGivesDeepSpeedDefaults) {
   EXPECT_EQ(c.zinf.host_mem, 0u);
   EXPECT_EQ(c.zinf.trace, "");
   EXPECT_EQ(c.zinf.seed, 0u);
-  EXPECT_FALSE(c.zinf.checksum);
+  EXPECT_TRUE(c.zinf.checksum);  // on by default (issue 16)
   EXPECT_EQ(c.zinf.staging_bytes, 2u << 20);
   EXPECT_TRUE(c.scheduler.is_null());
   EXPECT_THAT(c.unknown_keys, IsEmpty());

@@ -3,7 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <functional>
+#include <limits>
 #include <thread>
 
 #include "mlp.h"
@@ -312,6 +315,171 @@ TEST(Engine, Fp16OverflowSkipsTheStepAndLowersTheScale) {
   EXPECT_EQ(o.info[0].step, 0);
   EXPECT_EQ(o.info[0].loss_scale, std::ldexp(1.0f, 29));
   EXPECT_GT(scale_before, 0);
+}
+
+// One micro-step whose gradients are `value` everywhere, except `poison` (NaN, inf) in the
+// middle element of unit `poisoned_unit` (no unit: SIZE_MAX).
+Status constant_grads_step(Engine& e, float value, size_t poisoned_unit, float poison) {
+  for (size_t u = e.unit_count(); u-- > 0;) {
+    ZINF_ASSIGN_OR_RETURN(UnitScope scope, e.gather(u));
+    std::vector<float> g(scope.layout().numel, value * e.loss_scale());
+    if (u == poisoned_unit) g[g.size() / 2] = poison;
+    ZINF_RETURN_IF_ERROR(scope.grads_from_host(g));
+    ZINF_RETURN_IF_ERROR(scope.finish());
+  }
+  return e.step();
+}
+
+// Every rank's fp32 master parameters, unit by unit (collective).
+std::vector<std::vector<float>> all_params(Engine& e) {
+  std::vector<std::vector<float>> out;
+  for (size_t u = 0; u < e.unit_count(); ++u) out.push_back(e.full_parameters(u).value());
+  return out;
+}
+
+bool same_params(const std::vector<std::vector<float>>& a,
+                 const std::vector<std::vector<float>>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t u = 0; u < a.size(); ++u) {
+    if (a[u].size() != b[u].size() || std::memcmp(a[u].data(), b[u].data(), a[u].size() * 4) != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// Runs `body(engine, rank)` on `world` local ranks; the first failure.
+Status on_ranks(const EngineSettings& s, int world, const std::function<void(Engine&, int)>& body) {
+  auto group = comm::make_local_group(world).value();
+  std::vector<Status> status(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      auto e = Engine::create(s, *group[r], testing::mlp_units({}), testing::mlp_init);
+      if (!e.is_ok()) {
+        status[r] = e.status();
+        return;
+      }
+      body(**e, r);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& st : status) {
+    if (!st.is_ok()) return st;
+  }
+  return Status::ok();
+}
+
+// fp32 and bf16 (not only fp16) skip a step whose gradient norm is NaN or infinite: the skip is
+// counted, the parameters (and the optimizer state: the next good step matches a run that never
+// saw the bad one) stay bit for bit, whichever rank held the bad value.
+TEST(Engine, NonFiniteGradientsAreSkippedInEveryPrecision) {
+  for (DType dt : {DType::kF32, DType::kBF16}) {
+    for (int world : {1, 2}) {
+      for (float poison : {std::nanf(""), std::numeric_limits<float>::infinity()}) {
+        SCOPED_TRACE(fmt::format("{} world {} poison {}", dtype_name(dt), world, poison));
+        EngineSettings s = base(world == 1 ? 0 : 3);
+        s.dtype = dt;
+        std::vector<std::vector<float>> clean_end, before, after_skip, end;
+        std::vector<StepInfo> infos;
+        // The reference: two good steps.
+        Status ok = on_ranks(s, world, [&](Engine& e, int rank) {
+          EXPECT_TRUE(constant_grads_step(e, 0.01f, SIZE_MAX, 0).is_ok());
+          EXPECT_TRUE(constant_grads_step(e, 0.02f, SIZE_MAX, 0).is_ok());
+          auto p = all_params(e);
+          if (rank == 0) clean_end = p;
+        });
+        ASSERT_TRUE(ok.is_ok()) << ok.to_string();
+        // A good step, a poisoned one (on the last rank only), the second good step.
+        ok = on_ranks(s, world, [&](Engine& e, int rank) {
+          EXPECT_TRUE(constant_grads_step(e, 0.01f, SIZE_MAX, 0).is_ok());
+          auto p0 = all_params(e);
+          Status bad = constant_grads_step(e, 0.5f, rank == world - 1 ? 1 : SIZE_MAX, poison);
+          EXPECT_TRUE(bad.is_ok()) << bad.to_string();
+          auto p1 = all_params(e);
+          const StepInfo skipped = e.last_step();
+          EXPECT_TRUE(constant_grads_step(e, 0.02f, SIZE_MAX, 0).is_ok());
+          auto p2 = all_params(e);
+          if (rank == 0) {
+            before = p0;
+            after_skip = p1;
+            end = p2;
+            infos = {skipped, e.last_step()};
+          }
+        });
+        ASSERT_TRUE(ok.is_ok()) << ok.to_string();
+        ASSERT_EQ(infos.size(), 2u);
+        EXPECT_TRUE(infos[0].skipped);
+        EXPECT_EQ(infos[0].step, 1);
+        EXPECT_EQ(infos[0].skipped_steps, 1);
+        EXPECT_EQ(infos[0].nonfinite_in_a_row, 1u);
+        EXPECT_FALSE(std::isfinite(infos[0].grad_norm));
+        EXPECT_TRUE(same_params(before, after_skip)) << "a skipped step changed the parameters";
+        EXPECT_FALSE(infos[1].skipped);
+        EXPECT_EQ(infos[1].step, 2);
+        EXPECT_EQ(infos[1].skipped_steps, 1);
+        EXPECT_EQ(infos[1].nonfinite_in_a_row, 0u);
+        EXPECT_FALSE(same_params(after_skip, end)) << "the comparison is not vacuous";
+        EXPECT_TRUE(same_params(clean_end, end)) << "the skipped step left no trace";
+      }
+    }
+  }
+}
+
+// max_nonfinite_steps in a row stop the run: step() fails naming the step; a good step in
+// between resets the count. fp16 with dynamic scaling counts only once the scale is at its
+// minimum (the halvings before are how it recovers from an overflow).
+TEST(Engine, NonFiniteStepsInARowStopTheRunNamingTheStep) {
+  struct Case {
+    DType dtype;
+    int calls_before_error;  // step() calls that succeed (skipped) before the failing one
+  };
+  // fp16: scale 2^3 -> 4 -> 2 -> 1 (three uncounted skips), then 3 counted at the minimum.
+  for (Case c : {Case{DType::kF32, 2}, Case{DType::kBF16, 2}, Case{DType::kF16, 5}}) {
+    SCOPED_TRACE(dtype_name(c.dtype));
+    EngineSettings s = base(2);
+    s.dtype = c.dtype;
+    s.max_nonfinite_steps = 3;
+    s.initial_scale_power = 3;
+    s.hysteresis = 1;
+    s.min_loss_scale = 1;
+    auto group = comm::make_local_group(1).value();
+    auto e = Engine::create(s, *group[0], testing::mlp_units({}), testing::mlp_init).value();
+    // A good step, then two bad ones and a good one: the count starts again.
+    ASSERT_TRUE(constant_grads_step(*e, 0.01f, SIZE_MAX, 0).is_ok());
+    auto p = all_params(*e);
+    int calls = 1;
+    Status st;
+    for (int i = 0; i < 2; ++i, ++calls) {
+      st = constant_grads_step(*e, 0.01f, 0, std::nanf(""));
+      ASSERT_TRUE(st.is_ok()) << st.to_string();
+    }
+    if (c.dtype != DType::kF16) {
+      ASSERT_TRUE(constant_grads_step(*e, 0.01f, SIZE_MAX, 0).is_ok());
+      ++calls;
+      EXPECT_EQ(e->last_step().nonfinite_in_a_row, 0u);
+      EXPECT_EQ(e->last_step().skipped_steps, 2);
+      p = all_params(*e);
+    } else {
+      // Keep the scale's path simple: no good step in between for fp16.
+      c.calls_before_error -= 2;
+    }
+    const int64_t steps_before = e->last_step().step;
+    for (int i = 0; i < c.calls_before_error; ++i, ++calls) {
+      st = constant_grads_step(*e, 0.01f, 0, std::nanf(""));
+      ASSERT_TRUE(st.is_ok()) << "call " << calls + 1 << ": " << st.to_string();
+    }
+    st = constant_grads_step(*e, 0.01f, 0, std::nanf(""));
+    ++calls;
+    ASSERT_FALSE(st.is_ok()) << "no error after max_nonfinite_steps in a row";
+    EXPECT_EQ(st.code(), ErrorCode::kNonFinite);
+    EXPECT_NE(st.message().find(fmt::format("step {}:", calls)), std::string::npos) << st.message();
+    EXPECT_NE(st.message().find("NaN in 3 steps in a row"), std::string::npos) << st.message();
+    EXPECT_NE(st.message().find(fmt::format("optimizer step {}", steps_before)), std::string::npos)
+        << st.message();
+    EXPECT_TRUE(same_params(p, all_params(*e))) << "no skipped step changed the parameters";
+    if (c.dtype == DType::kF16) EXPECT_EQ(e->loss_scale(), 1.0f);
+  }
 }
 
 TEST(Engine, BadSettingsAreClearErrors) {

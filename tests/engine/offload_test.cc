@@ -173,5 +173,47 @@ TEST(Offload, SwapFaultIsReportedAndTrainingContinues) {
   }
 }
 
+// A swap block that changes behind zinf's back (the disk, another process) is caught by its
+// checksum with the default settings: an error naming the tensor and the offset, not training on
+// corrupted state. With checksums turned off the same corruption goes unnoticed (the check is
+// what catches it).
+TEST(Offload, CorruptedSwapBlockIsDetectedWithTheDefaultSettings) {
+  for (bool checksum : {true, false}) {
+    SCOPED_TRACE(checksum ? "default (checksums on)" : "checksums off");
+    zinf::testing::TempDir nvme;
+    EngineSettings s;
+    s.stage = 3;
+    s.param_home = Tier::kNvme;
+    s.optimizer_home = Tier::kNvme;
+    s.nvme_paths = {nvme.path()};
+    if (!checksum) s.checksum = false;
+    auto group = comm::make_local_group(1).value();
+    auto engine = Engine::create(s, *group[0], testing::mlp_units({}), testing::mlp_init).value();
+    std::vector<uint64_t> samples = {0, 1};
+    Status first_error;
+    for (int step = 0; step < 3 && first_error.is_ok(); ++step) {
+      // From the second step on, the first read of a swap file returns one flipped byte.
+      if (step == 1) {
+        ASSERT_TRUE(io::FaultInjector::global().add_spec("read:1:corrupt:swap-").is_ok());
+      }
+      auto loss = testing::mlp_micro_step(*engine, {}, samples);
+      first_error = loss.is_ok() ? engine->step() : loss.status();
+    }
+    const uint64_t fired = io::FaultInjector::global().fired();
+    io::FaultInjector::global().clear();
+    EXPECT_EQ(fired, 1u) << "the corruption was applied";
+    if (checksum) {
+      ASSERT_FALSE(first_error.is_ok());
+      EXPECT_EQ(first_error.code(), ErrorCode::kCorrupt) << first_error.to_string();
+      for (const char* part : {"checksum mismatch", "at offset", "swap extent", "layer"}) {
+        EXPECT_NE(first_error.message().find(part), std::string::npos)
+            << part << " in " << first_error.message();
+      }
+    } else {
+      EXPECT_TRUE(first_error.is_ok()) << first_error.to_string();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace zinf

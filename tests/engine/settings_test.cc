@@ -30,7 +30,7 @@ TEST(Settings, InfinityConfigReachesTheEngine) {
                             "pipeline_read": true, "pipeline_write": false, "ratio": 0.5}},
     "aio": {"block_size": 262144, "queue_depth": 16, "intra_op_parallelism": 2,
             "single_submit": true},
-    "zinf": {"host_mem": "1G", "device_mem": "2G", "staging_bytes": "8M", "checksum": true,
+    "zinf": {"host_mem": "1G", "device_mem": "2G", "staging_bytes": "8M", "checksum": false,
              "overlap_optimizer": true, "seed": 7}})");
   EXPECT_EQ(s.stage, 3);
   EXPECT_EQ(s.dtype, DType::kBF16);
@@ -57,7 +57,7 @@ TEST(Settings, InfinityConfigReachesTheEngine) {
   EXPECT_EQ(s.host_mem, 1ull << 30);
   EXPECT_EQ(s.device_mem, 2ull << 30);
   EXPECT_EQ(s.staging_bytes, 8u << 20);
-  EXPECT_TRUE(s.checksum);
+  EXPECT_FALSE(s.checksum);  // on by default: the config turns it off
   EXPECT_TRUE(s.overlap_optimizer);
   EXPECT_EQ(s.seed, 7u);
 }

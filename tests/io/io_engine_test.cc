@@ -4,6 +4,7 @@
 #include <xxhash.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <random>
 #include <thread>
@@ -204,6 +205,97 @@ TEST_F(IoEngineTest, EnvironmentSpecIsParsedAndBadSpecsNamed) {
   }
 }
 
+TEST_F(IoEngineTest, SubmitCorruptAndHangRulesAreParsed) {
+  EXPECT_TRUE(
+      FaultInjector::global().add_spec("submit:every:eio,read:2:corrupt,any:1:hang").is_ok());
+  for (const char* bad : {"write:1:corrupt", "any:1:corrupt", "submit:1:short", "submit:1:hang",
+                          "submit:1:eio:swap"}) {
+    Status s = FaultInjector::global().add_spec(bad);
+    ASSERT_FALSE(s.is_ok()) << bad;
+    EXPECT_NE(s.message().find(bad), std::string::npos) << s.message();
+  }
+}
+
+// A persistent io_uring_enter failure is not retried for ever: after submit_retry_ms the ring is
+// broken, the request fails naming the ring, the errno, the file and the offset, later requests
+// fail at once, and the engine is destroyed without waiting.
+TEST_F(IoEngineTest, PersistentSubmitFailureBecomesAnErrorAfterABoundedRetry) {
+  auto start = std::chrono::steady_clock::now();
+  {
+    auto e = engine({.queue_depth = 4, .submit_retry_ms = 50});
+    File f = open_file("submit.bin", 1 << 20);
+    ASSERT_TRUE(FaultInjector::global().add_spec("submit:every:eio").is_ok());
+    AlignedBuffer b(8192);
+    Status s = e->read(f, 4096, b.data(), b.size());
+    ASSERT_FALSE(s.is_ok());
+    EXPECT_EQ(s.sys_errno(), EIO);
+    for (const std::string& part :
+         {std::string("ring 0 is broken"), std::string("submit_retry_ms = 50"), f.path(),
+          std::string("read of 8192 bytes at offset 4096")}) {
+      EXPECT_NE(s.message().find(part), std::string::npos) << s.message();
+    }
+    Status later = e->write(f, 0, b.data(), b.size());
+    ASSERT_FALSE(later.is_ok());
+    EXPECT_NE(later.message().find("is broken"), std::string::npos) << later.message();
+    EXPECT_EQ(e->stats().requests_failed, 2u);
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+}
+
+// A submission that fails once is retried and the request completes.
+TEST_F(IoEngineTest, TransientSubmitFailureIsRetried) {
+  auto e = engine({.queue_depth = 4, .submit_retry_ms = 5000});
+  File f = open_file("transient.bin", 1 << 20);
+  AlignedBuffer out(4096), in(4096);
+  fill_random(out, 9);
+  ASSERT_TRUE(FaultInjector::global().add_spec("submit:1:eio,submit:2:eagain").is_ok());
+  ASSERT_TRUE(e->write(f, 0, out.data(), out.size()).is_ok());
+  ASSERT_TRUE(e->read(f, 0, in.data(), in.size()).is_ok());
+  EXPECT_EQ(std::memcmp(in.data(), out.data(), in.size()), 0);
+  EXPECT_EQ(FaultInjector::global().fired(), 2u);
+}
+
+// A request that never completes: drain() gives up after its timeout naming how many are
+// outstanding, and destruction returns after drain_timeout_ms instead of waiting for ever.
+TEST_F(IoEngineTest, DrainAndDestructionHaveDeadlines) {
+  File f = open_file("hang.bin", 1 << 20);
+  AlignedBuffer b(4096);
+  std::atomic<bool> called{false};
+  auto start = std::chrono::steady_clock::now();
+  {
+    auto e = engine({.queue_depth = 4, .drain_timeout_ms = 200});
+    ASSERT_TRUE(FaultInjector::global().add_spec("read:1:hang").is_ok());
+    ASSERT_TRUE(
+        e->submit(
+             {.op = IoOp::kRead, .file = &f, .offset = 0, .buffer = b.data(), .length = b.size()},
+             [&](Status) { called = true; })
+            .is_ok());
+    Status d = e->drain(std::chrono::milliseconds(50));
+    ASSERT_FALSE(d.is_ok());
+    EXPECT_EQ(d.code(), ErrorCode::kTimeout);
+    EXPECT_NE(d.message().find("1 I/O request(s) still outstanding"), std::string::npos)
+        << d.message();
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  EXPECT_FALSE(called.load()) << "an abandoned request does not call back";
+}
+
+// `corrupt`: the read completes with exactly one byte changed (what the checksums must catch).
+TEST_F(IoEngineTest, CorruptFaultFlipsOneByteOfARead) {
+  auto e = engine();
+  File f = open_file("corrupt.bin", 1 << 20);
+  AlignedBuffer out(8192), in(8192);
+  fill_random(out, 4);
+  ASSERT_TRUE(e->write(f, 0, out.data(), out.size()).is_ok());
+  ASSERT_TRUE(FaultInjector::global().add_spec("read:1:corrupt").is_ok());
+  ASSERT_TRUE(e->read(f, 0, in.data(), in.size()).is_ok());
+  size_t differing = 0;
+  for (size_t i = 0; i < in.size(); ++i) differing += in.data()[i] != out.data()[i];
+  EXPECT_EQ(differing, 1u);
+  ASSERT_TRUE(e->read(f, 0, in.data(), in.size()).is_ok());  // the rule fired once
+  EXPECT_EQ(std::memcmp(in.data(), out.data(), in.size()), 0);
+}
+
 TEST_F(IoEngineTest, RegisteredBuffersAndFilesAreUsed) {
   auto e = engine({.queue_depth = 8, .block_size = 128 << 10});
   File f = open_file("fixed.bin", 4 << 20);
@@ -259,7 +351,7 @@ TEST_F(IoEngineTest, ThousandsOfConcurrentRequestsCompleteExactlyOnce) {
     });
   }
   for (auto& th : threads) th.join();
-  e->drain();
+  ASSERT_TRUE(e->drain().is_ok());
   for (int i = 0; i < kThreads * kPerThread; ++i) ASSERT_EQ(calls[i].load(), 1) << "request " << i;
   EXPECT_EQ(failures.load(), 1);  // exactly the one injected EIO
   IoStats s = e->stats();
@@ -293,7 +385,7 @@ TEST_F(IoEngineTest, CallbacksMayResubmit) {
       e->submit(IoRequest{.op = IoOp::kWrite, .file = &f, .buffer = b.data(), .length = 4096}, next)
           .is_ok());
   finished.get_future().wait();
-  e->drain();
+  ASSERT_TRUE(e->drain().is_ok());
   EXPECT_EQ(e->stats().requests_completed, 100u);
 }
 
@@ -322,7 +414,7 @@ TEST_F(IoEngineTest, ResubmitFromCompletionWithQueueDepthOne) {
           .is_ok());
   ASSERT_EQ(finished.get_future().wait_for(std::chrono::seconds(20)), std::future_status::ready)
       << "the ring stopped picking up resubmitted requests";
-  e->drain();
+  ASSERT_TRUE(e->drain().is_ok());
 }
 
 TEST(IoEngineOptionsTest, BadOptionsAreRefused) {

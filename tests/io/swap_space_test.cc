@@ -193,6 +193,63 @@ TEST_F(SwapSpaceTest, RangesReadAndWritePartsWithBlockChecksums) {
             ErrorCode::kInvalidArgument);
 }
 
+// The run directory is 0700 and the swap files 0600 whatever the umask lets through.
+TEST_F(SwapSpaceTest, RunDirectoryAndFilesArePrivateUnderAnyUmask) {
+  const mode_t old = ::umask(0);
+  auto swap = make({.directories = {a_.path()}, .file_bytes = 1 << 20});
+  ::umask(old);
+  ASSERT_TRUE(swap);
+  ASSERT_TRUE(swap->allocate(4096, "x").is_ok());
+  const std::string run = swap->run_directories()[0];
+  EXPECT_EQ(fs::path(run).parent_path(), fs::path(a_.path()));
+  struct stat st {};
+  ASSERT_EQ(::lstat(run.c_str(), &st), 0);
+  EXPECT_TRUE(S_ISDIR(st.st_mode));
+  EXPECT_EQ(st.st_mode & 07777, 0700u);
+  EXPECT_EQ(st.st_uid, ::geteuid());
+  size_t files = 0;
+  for (auto& e : fs::directory_iterator(run)) {
+    ASSERT_EQ(::lstat(e.path().c_str(), &st), 0);
+    EXPECT_TRUE(S_ISREG(st.st_mode)) << e.path();
+    EXPECT_EQ(st.st_mode & 07777, 0600u) << e.path();
+    ++files;
+  }
+  EXPECT_EQ(files, 1u);
+}
+
+// A file system that creates the file and then refuses O_DIRECT: the swap space runs buffered,
+// with exactly the files it made, and removes them all at the end.
+TEST_F(SwapSpaceTest, DirectRefusalRunsBufferedWithoutOrphans) {
+  FaultInjector::global().set_refuse_direct(true);
+  std::string run;
+  {
+    auto swap = make({.directories = {a_.path()}, .file_bytes = 1 << 20, .checksum = true});
+    ASSERT_TRUE(swap);
+    run = swap->run_directories()[0];
+    std::vector<ExtentId> ids;
+    for (int i = 0; i < 3; ++i) {  // three files of 1 MiB
+      auto id = swap->allocate(1 << 20, "t" + std::to_string(i));
+      ASSERT_TRUE(id.is_ok()) << id.status().to_string();
+      ids.push_back(*id);
+    }
+    EXPECT_EQ(count_files(run), 3u);
+    AlignedBuffer data = random_buffer(1 << 20, 3), back(1 << 20);
+    ASSERT_TRUE(swap->write(ids[2], data.data()).is_ok());
+    ASSERT_TRUE(swap->read(ids[2], back.data()).is_ok());
+    EXPECT_EQ(std::memcmp(back.data(), data.data(), back.size()), 0);
+  }
+  EXPECT_FALSE(fs::exists(run));
+  EXPECT_TRUE(fs::is_empty(a_.path()));
+}
+
+// A failed create() leaves no run directory behind in the directories it already went through.
+TEST_F(SwapSpaceTest, FailedCreateRemovesTheRunDirectoriesItMade) {
+  auto s = SwapSpace::create(*engine_, {.directories = {a_.path(), b_.path() + "/missing"}});
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_NE(s.status().message().find("missing"), std::string::npos);
+  EXPECT_TRUE(fs::is_empty(a_.path()));
+}
+
 TEST_F(SwapSpaceTest, BadDirectoriesAreRefused) {
   auto missing = SwapSpace::create(*engine_, {.directories = {a_.path() + "/nope"}});
   ASSERT_FALSE(missing.is_ok());

@@ -292,6 +292,23 @@ TEST(Tunables, FlagsWinOverTheConfig) {
   EXPECT_FALSE(s.sources.contains("host_mem"));
 }
 
+// Swap checksums are on by default everywhere; --no-checksum (or zinf.checksum false) turns them
+// off, the flag winning over the config.
+TEST(Tunables, ChecksumsAreOnByDefaultAndNoChecksumTurnsThemOff) {
+  EXPECT_TRUE(EngineSettings{}.checksum);
+  EXPECT_TRUE(cli_run().engine.checksum);
+  EXPECT_FALSE(cli_run().sources.contains("checksum"));
+  const TrainSettings flag = cli_run({.no_checksum = true}, R"({"zinf": {"checksum": true}})");
+  EXPECT_FALSE(flag.engine.checksum);
+  EXPECT_EQ(flag.sources.at("checksum"), Source::kFlag);
+  EXPECT_EQ(differences(cli_json(cli_run()), cli_json(cli_run({.no_checksum = true}))),
+            std::set<std::string>{"checksum"});
+  const TrainSettings config = cli_run({}, R"({"zinf": {"checksum": false}})");
+  EXPECT_FALSE(config.engine.checksum);
+  EXPECT_EQ(config.sources.at("checksum"), Source::kConfig);
+  EXPECT_THAT(cli::settings_block(flag), HasSubstr("checksum=false (flag)"));
+}
+
 TEST(Tunables, BadFlagsAreErrorsNamingTheFlag) {
   struct Bad {
     TrainFlags flags;

@@ -415,6 +415,7 @@ Status read_zinf(ObjectReader& r, ZinfConfig& z) {
   ZINF_RETURN_IF_ERROR(r.read_bool("overlap_optimizer", z.overlap_optimizer));
   ZINF_RETURN_IF_ERROR(r.read_int("optimizer_threads", z.optimizer_threads));
   ZINF_RETURN_IF_ERROR(r.read_bool("io_fixed_buffers", z.io_fixed_buffers));
+  ZINF_RETURN_IF_ERROR(r.read_uint("max_nonfinite_steps", z.max_nonfinite_steps));
   r.finish();
   return Status::ok();
 }

@@ -115,7 +115,8 @@ json to_json(const Config& c) {
                {"staging_bytes", zc.staging_bytes},
                {"overlap_optimizer", zc.overlap_optimizer},
                {"optimizer_threads", zc.optimizer_threads},
-               {"io_fixed_buffers", zc.io_fixed_buffers}};
+               {"io_fixed_buffers", zc.io_fixed_buffers},
+               {"max_nonfinite_steps", zc.max_nonfinite_steps}};
   // 0 is "auto" (fit the machine), which the file says by leaving the key out.
   if (zc.device_mem != 0) j["zinf"]["device_mem"] = zc.device_mem;
   if (zc.host_mem != 0) j["zinf"]["host_mem"] = zc.host_mem;

@@ -22,6 +22,8 @@ std::string_view error_code_name(ErrorCode code) {
       return "not found";
     case ErrorCode::kCorrupt:
       return "corrupt data";
+    case ErrorCode::kNonFinite:
+      return "non-finite values";
     case ErrorCode::kTimeout:
       return "timed out";
     case ErrorCode::kUnavailable:

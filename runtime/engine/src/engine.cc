@@ -29,6 +29,9 @@ struct Engine::Impl {
   engine_detail::OptimizerPipeline optimizer;
   engine_detail::GradReducer reducer;
   engine_detail::Gatherer gatherer;
+  int64_t step_calls = 0;           // step() calls so far, this one included: "step N" in errors
+  int64_t skipped_steps = 0;        // skipped for a non-finite gradient norm
+  uint64_t nonfinite_in_a_row = 0;  // the skips since the last committed step that count
 
   Impl(const EngineSettings& settings, comm::Communicator& c)
       : e(settings, c),
@@ -47,6 +50,7 @@ struct Engine::Impl {
   // skipped; a failure anywhere fails step() everywhere, each rank keeps the pieces it updated,
   // and the next step() finishes the update on every rank.
   Status step(StepInfo& info) {
+    ++step_calls;
     Status local = settle_backward(info);
     if (!e.sticky.is_ok()) {  // a scope's end could not issue its reduction: gradients missing
       if (local.is_ok()) local = std::move(e.sticky);
@@ -63,8 +67,9 @@ struct Engine::Impl {
     }
     const GlobalNorm norm = *exchanged;
     info.grad_norm = norm.ok ? std::sqrt(norm.sum_squares) : 0;
-    // fp16: an overflow skips the update. Every rank sees the same partials and decides the same.
-    const bool overflow = norm.ok && scaler.checks_overflow() && !std::isfinite(norm.sum_squares);
+    // A non-finite norm (fp16: an overflow) skips the update, in every precision. Every rank sees
+    // the same partials and decides the same.
+    const bool overflow = norm.ok && checks_nonfinite() && !std::isfinite(norm.sum_squares);
     if (norm.ok && !overflow) {
       local =
           optimizer.update({.step = e.steps + 1,
@@ -77,8 +82,8 @@ struct Engine::Impl {
     }
     e.update_incomplete = false;
     if (overflow) {
-      skip(info);
-      return writeback;
+      Status stop = skip(info, norm.sum_squares);
+      return stop.is_ok() ? writeback : stop;
     }
     Status committed = commit(info);
     return writeback.is_ok() ? committed : writeback;
@@ -110,7 +115,7 @@ struct Engine::Impl {
   };
   Result<GlobalNorm> global_norm(Status& local) {
     GlobalNorm norm;
-    if (e.s.gradient_clipping > 0 || scaler.checks_overflow()) {
+    if (e.s.gradient_clipping > 0 || checks_nonfinite()) {
       const float factor = optimizer.combined_scale();
       if (e.policy.owns_every_shard) {
         // Every rank holds every shard: compute each rank's partial exactly as that rank would.
@@ -149,18 +154,44 @@ struct Engine::Impl {
     return static_cast<float>(e.s.gradient_clipping / (grad_norm + 1e-6));
   }
 
-  // fp16 overflow on some rank: no update; the loss scale goes down.
-  void skip(StepInfo& info) {
+  // Whether step() looks at the global norm before updating. Always, except where updates start
+  // during the backward pass (overlap_optimizer without clipping or fp16), before the norm exists.
+  bool checks_nonfinite() const { return !optimizer.updates_early(); }
+
+  // A non-finite gradient norm on some rank: no update, the gradients are dropped; fp16's loss
+  // scale goes down. The skip counts towards max_nonfinite_steps unless the scale can still go
+  // down; that many in a row fail the step, naming it.
+  Status skip(StepInfo& info, double sum_squares) {
+    const bool counts = scaler.at_floor();
     info.skipped = true;
     scaler.on_overflow();
     optimizer.discard();
     info.loss_scale = scaler.scale();
     info.step = e.steps;
+    ++skipped_steps;
+    if (counts) ++nonfinite_in_a_row;
+    info.skipped_steps = skipped_steps;
+    info.nonfinite_in_a_row = nonfinite_in_a_row;
+    log::warn_once("engine:nonfinite",
+                   fmt::format("step {}: the global gradient norm is {}; the step is skipped "
+                               "(reported once; StepInfo::skipped_steps counts them)",
+                               step_calls, std::isnan(sum_squares) ? "NaN" : "infinite"));
+    const uint64_t limit = e.s.max_nonfinite_steps;
+    if (limit == 0 || nonfinite_in_a_row < limit) return Status::ok();
+    return make_error(
+        ErrorCode::kNonFinite,
+        "step {}: the global gradient norm is {} in {} steps in a row "
+        "(max_nonfinite_steps = {}{}); stopping: the parameters are those of optimizer step {} "
+        "(lower the learning rate, check the data or the loss scale, or resume from a checkpoint)",
+        step_calls, std::isnan(sum_squares) ? "NaN" : "infinite", nonfinite_in_a_row, limit,
+        scaler.checks_overflow() ? ", counted at the minimum fp16 loss scale" : "", e.steps);
   }
 
   // Updated on every rank: the next step starts from here.
   Status commit(StepInfo& info) {
     ++e.steps;
+    nonfinite_in_a_row = 0;
+    info.skipped_steps = skipped_steps;
     optimizer.commit();
     Status shared;
     if (e.policy.share_updated_params) shared = gatherer.share_updated_parameters();

@@ -1,7 +1,8 @@
 // Loss scaling, as DeepSpeed does it for fp16: a fixed scale (static_loss_scale > 0), or a
 // dynamic one that starts at 2^initial_scale_power, is halved (not below min_loss_scale) after
 // `hysteresis` overflowing steps, and doubled after loss_scale_window steps without overflow.
-// bf16 and fp32 use a scale of 1 and never check for overflow.
+// bf16 and fp32 use a scale of 1. Every precision skips a step whose gradient norm is not finite
+// (engine.cc); at_floor() says whether such a skip counts towards max_nonfinite_steps.
 #pragma once
 
 #include <algorithm>
@@ -30,6 +31,9 @@ class LossScaler {
   float scale() const { return scale_; }
   // Whether a step must look for non-finite gradients first (and skip itself on one).
   bool checks_overflow() const { return checks_overflow_; }
+  // Whether lowering the scale can no longer cure an overflow: no dynamic scaling (fp32, bf16, a
+  // static fp16 scale), or the scale is at min_loss_scale.
+  bool at_floor() const { return !dynamic_ || scale_ <= min_scale_; }
 
   // A step skipped for overflow: lower the scale once `hysteresis` overflows have been seen.
   void on_overflow() {

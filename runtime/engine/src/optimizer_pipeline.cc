@@ -71,6 +71,10 @@ OptimizerPipeline::OptimizerPipeline(EngineState& e, const LossScaler& scaler)
       log::warn_once("engine:overlap-optimizer",
                      "overlap_optimizer has no effect with gradient clipping or fp16: the "
                      "update needs every gradient (the global norm, the overflow check) first");
+    } else {
+      log::info(
+          "overlap_optimizer: updates start before the global gradient norm is known, so a "
+          "non-finite norm cannot skip the step (max_nonfinite_steps has no effect)");
     }
   }
 }

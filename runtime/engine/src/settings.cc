@@ -93,6 +93,7 @@ Result<EngineSettings> settings_from_config(const config::Config& c) {
   s.overlap_optimizer = c.zinf.overlap_optimizer;
   s.optimizer_threads = c.zinf.optimizer_threads;
   s.io_fixed_buffers = c.zinf.io_fixed_buffers;
+  s.max_nonfinite_steps = c.zinf.max_nonfinite_steps;
   return s;
 }
 
@@ -141,6 +142,7 @@ nlohmann::json settings_json(const EngineSettings& s) {
   j["host_mem"] = s.host_mem;
   j["overlap_optimizer"] = s.overlap_optimizer;
   j["checksum"] = s.checksum;
+  j["max_nonfinite_steps"] = s.max_nonfinite_steps;
   j["seed"] = s.seed;
   j["device"] = device_kind_name(s.device);
   j["optimizer_threads"] = s.optimizer_threads;

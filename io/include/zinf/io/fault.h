@@ -5,13 +5,20 @@
 // once at first use: a comma-separated list of
 //     OP:WHICH:KIND[:PATH_SUBSTRING]
 //   OP    read | write | any       which submissions the rule watches
+//         submit                   the rings' io_uring_enter calls instead (KIND eio | enospc |
+//                                  eagain: the call fails with that errno; nothing is submitted)
 //   WHICH N (the Nth matching submission, 1-based) | every | N+ (the Nth and every one after)
 //   KIND  eio | enospc | eagain | short   complete with -EIO / -ENOSPC / -EAGAIN, or transfer
 //                                        only part of the bytes
+//         corrupt (reads only)     the read completes with one byte of the data flipped, as if
+//                                  the disk (or another process) had changed the file
+//         hang                     the chunk never completes (a lost request: tests the
+//                                  deadlines of drain() and of the engine's destruction)
 //   PATH_SUBSTRING (optional)       only files whose path contains it
-// plus two special entries: `direct:refuse` (open(O_DIRECT) fails with EINVAL, exercising the
-// buffered fallback) and `fallocate:enospc` (preallocation fails as on a full disk).
-// Example: ZINF_IO_FAULTS="write:3:eio,read:every:short"
+// plus two special entries: `direct:refuse` (turning O_DIRECT on fails with EINVAL after the
+// file was opened, or created, exercising the buffered fallback as on file systems that create
+// the file before refusing O_DIRECT) and `fallocate:enospc` (preallocation fails as on a full
+// disk). Example: ZINF_IO_FAULTS="write:3:eio,read:every:short"
 //
 // A "submission" is one request chunk handed to the kernel (a request larger than the block
 // size is several chunks); continuations of short transfers and EAGAIN retries count too.
@@ -30,9 +37,12 @@
 namespace zinf::io {
 
 enum class IoOp : uint8_t { kRead, kWrite };
-enum class FaultKind : uint8_t { kEio, kEnospc, kShort, kEagain };
+enum class FaultKind : uint8_t { kEio, kEnospc, kShort, kEagain, kCorrupt, kHang };
+// What a rule watches: the requests' chunks, or the rings' io_uring_enter calls.
+enum class FaultTarget : uint8_t { kChunks, kRingSubmit };
 
 struct FaultRule {
+  FaultTarget target = FaultTarget::kChunks;
   std::optional<IoOp> op;  // nullopt: reads and writes
   uint64_t nth = 1;        // 1-based index of the matching submission that fails
   bool and_after = false;  // also every matching submission after the nth
@@ -56,6 +66,8 @@ class FaultInjector {
 
   // Called for each submission; returns the fault to apply, if any.
   std::optional<FaultKind> on_submit(IoOp op, const std::string& path);
+  // Called before each io_uring_enter of a ring; returns an errno to fail it with, if any.
+  std::optional<int> on_ring_submit();
   // Called by File::preallocate; returns an errno to fail with, if any.
   std::optional<int> on_preallocate(const std::string& path);
 

@@ -1,8 +1,16 @@
 // File: a move-only owner of a file descriptor opened for direct I/O.
 //
-// open() asks for O_DIRECT and learns the alignment direct I/O needs on this file (statx
-// STATX_DIOALIGN where the kernel reports it, else 4096). Where the file system refuses O_DIRECT
-// the file is reopened buffered and one warning names the path; alignment() then reports 1.
+// open() opens (or creates) the file without O_DIRECT, then turns O_DIRECT on with
+// fcntl(F_SETFL) and learns the alignment direct I/O needs on this file (statx STATX_DIOALIGN
+// where the kernel reports it, else 4096). Where the file system refuses O_DIRECT (EINVAL) the
+// same descriptor stays buffered and one warning names the path; alignment() then reports 1.
+// Opening in two steps is what keeps O_EXCL whole: some file systems create the file before
+// refusing open(O_DIRECT), and a second, buffered open(O_CREAT|O_EXCL) then fails with EEXIST
+// and leaves the file behind. A file open() created is removed again on every failure path.
+//
+// DirHandle: a move-only owner of a directory descriptor. open_at() and the swap space's run
+// directories work relative to one, so a path component replaced by a symlink after the
+// directory was opened cannot redirect what is created or removed in it.
 #pragma once
 
 #include <sys/types.h>
@@ -23,9 +31,37 @@ struct FileOptions {
   mode_t mode = 0600;     // permissions of a created file
 };
 
+class DirHandle {
+ public:
+  // Opens `path` as a directory (O_DIRECTORY; with `no_follow`, refusing a symlink as the last
+  // component). An error names the path.
+  static Result<DirHandle> open(const std::string& path, bool no_follow = false);
+  // Opens `name` inside `parent` (O_DIRECTORY | O_NOFOLLOW); the path is parent's + "/" + name.
+  static Result<DirHandle> open_at(const DirHandle& parent, const std::string& name);
+
+  DirHandle() = default;
+  DirHandle(DirHandle&& other) noexcept;
+  DirHandle& operator=(DirHandle&& other) noexcept;
+  DirHandle(const DirHandle&) = delete;
+  DirHandle& operator=(const DirHandle&) = delete;
+  ~DirHandle();
+
+  bool is_open() const { return fd_ >= 0; }
+  int fd() const { return fd_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  DirHandle(int fd, std::string path) : fd_(fd), path_(std::move(path)) {}
+  int fd_ = -1;
+  std::string path_;
+};
+
 class File {
  public:
   static Result<File> open(const std::string& path, const FileOptions& options);
+  // `name` relative to `dir` (openat); path() is dir.path() + "/" + name.
+  static Result<File> open_at(const DirHandle& dir, const std::string& name,
+                              const FileOptions& options);
 
   File() = default;
   File(File&& other) noexcept;
@@ -50,6 +86,9 @@ class File {
   Status close();
 
  private:
+  // `name` relative to dir_fd (AT_FDCWD for a plain path); `path` names it in messages.
+  static Result<File> open_relative(int dir_fd, const std::string& name, std::string path,
+                                    const FileOptions& options);
   File(int fd, std::string path, bool direct, uint32_t mem_align, uint32_t offset_align)
       : fd_(fd),
         path_(std::move(path)),

@@ -17,10 +17,20 @@
 //  - Buffers registered with register_buffer() are used as fixed buffers (READ_FIXED /
 //    WRITE_FIXED) when a request falls inside one; files registered with register_file() are
 //    used through the ring's fixed-file table. Both are optional accelerations.
-//  - Destruction waits for every accepted request to complete.
+//  - io_uring_enter failing (other than EINTR) is retried, every millisecond, for at most
+//    `submit_retry_ms`; then the ring is broken: every request it holds that the kernel has not
+//    taken fails with an error naming the ring, the errno and the request (operation, file,
+//    offset, length), and so does every later request given to that ring. Requests the kernel
+//    took still complete normally.
+//  - Destruction waits for every accepted request to complete, for at most `drain_timeout_ms`;
+//    past it, an error names how many requests are still outstanding (and the first of them) and
+//    they are abandoned: their callbacks never run and the kernel may still write into their
+//    buffers, so a caller whose destruction timed out must not reuse those buffers (in practice:
+//    the process is going down after a device stopped answering).
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <future>
@@ -46,6 +56,9 @@ struct IoEngineOptions {
   // Submit each chunk with its own io_uring_enter instead of batching the chunks prepared
   // together (DeepSpeed's aio.single_submit; slower, kept for comparison).
   bool single_submit = false;
+  // Bounded waits (see the contract above).
+  uint32_t submit_retry_ms = 1000;    // a failing io_uring_enter, before the ring is broken
+  uint32_t drain_timeout_ms = 60000;  // destruction waiting for outstanding requests
 };
 
 struct IoRequest {
@@ -100,8 +113,9 @@ class IoEngine {
   Status register_file(const File& file);
   Status unregister_file(const File& file);
 
-  // Blocks until every request accepted so far has completed.
-  void drain();
+  // Blocks until every request accepted so far has completed: ok; or, after `timeout`, kTimeout
+  // naming how many are outstanding.
+  Status drain(std::chrono::milliseconds timeout = std::chrono::milliseconds::max());
 
   IoStats stats() const;
   const IoEngineOptions& options() const { return options_; }

@@ -1,9 +1,11 @@
 // SwapSpace: extents of bytes on one or more NVMe paths, for tensors that do not fit in memory.
 //
-//  - Each directory (one per drive) gets a private run directory `zinf-<pid>-<random>` (0700)
-//    holding a few large preallocated files (0600, O_EXCL|O_NOFOLLOW), grown by whole files of
-//    `file_bytes` as extents are allocated. Everything is removed when the SwapSpace is
-//    destroyed (clean shutdown).
+//  - Each directory (one per drive) gets a private run directory `zinf-<pid>-<random>` (0700,
+//    owned by this user, held open: DirHandle) holding a few large preallocated files (0600,
+//    created relative to the run directory's descriptor with O_EXCL|O_NOFOLLOW), grown by whole
+//    files of `file_bytes` as extents are allocated. Everything is removed when the SwapSpace is
+//    destroyed (clean shutdown), and whatever a failed create() or allocate() made is removed
+//    before it returns.
 //  - An extent is striped over the directories (a piece on each, 4 KiB aligned) when it is at
 //    least `stripe_min_bytes` per directory, so one tensor read uses every drive.
 //  - Extent sizes are rounded up to 4 KiB: read()/write() move padded_bytes(), and buffers must
@@ -31,7 +33,7 @@ struct SwapSpaceOptions {
   std::vector<std::string> directories;    // one per NVMe drive; must exist and be writable
   uint64_t file_bytes = 1ull << 30;        // preallocation unit of the swap files
   uint64_t stripe_min_bytes = 1ull << 20;  // stripe only extents of at least this per directory
-  bool checksum = false;                   // XXH3-64 per extent, verified on read
+  bool checksum = true;                    // XXH3-64 per 1 MiB block, verified on read
   bool direct = true;                      // O_DIRECT (falls back to buffered where refused)
 };
 

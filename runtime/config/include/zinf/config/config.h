@@ -173,6 +173,8 @@ struct ZinfConfig {
   bool overlap_optimizer = tunables::kOverlapOptimizer.value;
   int optimizer_threads = tunables::kOptimizerThreads.value;  // CPU Adam threads; 0 = all cores
   bool io_fixed_buffers = tunables::kIoFixedBuffers.value;    // registered io_uring buffers
+  // Non-finite gradient norms in a row before a step fails (EngineSettings::max_nonfinite_steps).
+  uint64_t max_nonfinite_steps = tunables::kMaxNonfiniteSteps.value;
 
   bool operator==(const ZinfConfig&) const = default;
 };

@@ -23,6 +23,7 @@ enum class ErrorCode {
   kOutOfMemory,      // a tier's byte budget or an allocator refused
   kNotFound,         // a path, key or tensor that does not exist
   kCorrupt,          // a checksum or format check failed
+  kNonFinite,        // values that must be finite are not (a diverged training step)
   kTimeout,          // a bounded wait ran out
   kUnavailable,      // a peer, store or device could not be reached
   kCancelled,        // the operation was abandoned (engine shut down)

@@ -202,6 +202,21 @@ inline constexpr Tunable<float> kMinLossScale{
     .doc = "fp16, dynamic: the scale never drops below this",
 };
 
+// ---- non-finite gradients
+// -------------------------------------------------------------------------
+
+inline constexpr Tunable<uint64_t> kMaxNonfiniteSteps{
+    .name = "max_nonfinite_steps",
+    // Every precision skips a step whose global gradient norm is NaN or infinite. fp16's dynamic
+    // loss scaling recovers from overflows by lowering the scale (a few halvings at the start are
+    // normal), so only the skips at the minimum scale count there; in fp32 and bf16 (and with a
+    // static fp16 scale) every skip counts. 8 in a row is no longer bad luck.
+    .value = 8,
+    .unit = Unit::kSteps,
+    .json = "zinf.max_nonfinite_steps",
+    .doc = "consecutive steps skipped for a non-finite gradient norm before step() fails; 0 = none",
+};
+
 // ---- ZeRO ---------------------------------------------------------------------------------------
 
 inline constexpr Tunable<uint64_t> kReduceBucket{
@@ -399,9 +414,12 @@ inline constexpr Tunable<bool> kOverlapOptimizer{
 };
 inline constexpr Tunable<bool> kChecksum{
     .name = "checksum",
-    .value = false,
+    // On since issue 16 (off before): a swap file changed behind zinf's back is an error naming
+    // the tensor and offset, not training on corrupted state. Its cost: docs/security.md.
+    .value = true,
     .json = "zinf.checksum",
-    .doc = "an XXH3 checksum per swapped 1 MiB block, verified on read",
+    .flag = "--no-checksum",
+    .doc = "an XXH3 checksum per swapped 1 MiB block, verified on read (--no-checksum: off)",
 };
 inline constexpr Tunable<uint64_t> kSeed{
     .name = "seed",
@@ -496,6 +514,7 @@ inline constexpr std::array kAll = {
     detail::entry(kLossScaleWindow),
     detail::entry(kHysteresis),
     detail::entry(kMinLossScale),
+    detail::entry(kMaxNonfiniteSteps),
     detail::entry(kReduceBucket),
     detail::entry(kOverlapComm),
     detail::entry(kSubGroup),

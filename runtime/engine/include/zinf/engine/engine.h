@@ -85,6 +85,12 @@ struct EngineSettings {
   int loss_scale_window = tunables::kLossScaleWindow.value;
   int hysteresis = tunables::kHysteresis.value;
   float min_loss_scale = tunables::kMinLossScale.value;
+  // Every precision skips a step whose global gradient norm is not finite (the gradients are
+  // dropped, the parameters and optimizer state stay bit for bit) and counts it; this many skips
+  // in a row (fp16 with dynamic scaling: counted only at min_loss_scale) make step() fail with an
+  // error naming the step. 0 = skip without limit. Not with overlap_optimizer's early updates,
+  // which start before the norm is known.
+  uint64_t max_nonfinite_steps = tunables::kMaxNonfiniteSteps.value;
   uint64_t reduce_bucket_elements = tunables::kReduceBucket.value;  // reduce_bucket_size
   // Leave reductions in flight across scopes. The config reader turns it on for stage 3 when the
   // key is absent (DeepSpeed's rule); here it is the default stage's value.
@@ -228,8 +234,10 @@ class UnitScope {
 };
 
 struct StepInfo {
-  int64_t step = 0;      // optimizer steps taken
-  bool skipped = false;  // fp16 overflow: no update this step
+  int64_t step = 0;           // optimizer steps taken
+  bool skipped = false;       // a non-finite gradient norm (fp16: an overflow): no update this step
+  int64_t skipped_steps = 0;  // steps skipped so far for a non-finite gradient norm
+  uint64_t nonfinite_in_a_row = 0;  // the skips counting towards max_nonfinite_steps
   double grad_norm = 0;  // global norm of the (unscaled, averaged) gradients; 0 when not needed
   float loss_scale = 1;
   // Units whose update started during the backward pass (overlap_optimizer).
