@@ -361,17 +361,10 @@ Status check_train_options(const TrainOptions& o) {
     return make_error(ErrorCode::kInvalidArgument,
                       "sequence length {} is longer than the model's context {}", T, o.model.seq);
   }
-  // Budgets large enough for the largest unit being worked on.
+  // The device budget is checked by the engine, which knows the whole working set (state homed
+  // there, persistent units, the unit at work and its gradient); the host budget here.
   const uint64_t wsize = dtype_size(o.engine.dtype);
   const uint64_t unit = largest_unit_numel(o.model);
-  const uint64_t need_device = unit * wsize * (o.engine.stage == 3 ? 3 : 2);
-  if (o.engine.device_mem && o.engine.device_mem < need_device) {
-    return make_error(ErrorCode::kInvalidArgument,
-                      "--device-mem {} is too small: the largest unit ({} parameters) needs at "
-                      "least {} on the device while it is worked on",
-                      format_bytes(static_cast<double>(o.engine.device_mem)), unit,
-                      format_bytes(static_cast<double>(need_device)));
-  }
   const int world = o.mpi ? 1 : o.ranks;
   const uint64_t P = static_cast<uint64_t>(parameter_count(o.model));
   if (o.engine.optimizer_home == Tier::kHost && o.engine.host_mem &&
