@@ -69,30 +69,6 @@ constexpr std::string_view kOneCycleParams[] = {"cycle_min_lr",
 
 }  // namespace
 
-std::string_view scheduler_type_name(SchedulerConfig::Type t) {
-  switch (t) {
-    case SchedType::kNone:
-      return "none";
-    case SchedType::kWarmupLR:
-      return "WarmupLR";
-    case SchedType::kWarmupDecayLR:
-      return "WarmupDecayLR";
-    case SchedType::kWarmupCosineLR:
-      return "WarmupCosineLR";
-    case SchedType::kOneCycle:
-      return "OneCycle";
-  }
-  return "none";
-}
-
-std::optional<SchedulerConfig::Type> parse_scheduler_type(std::string_view name) {
-  for (SchedType t : {SchedType::kNone, SchedType::kWarmupLR, SchedType::kWarmupDecayLR,
-                      SchedType::kWarmupCosineLR, SchedType::kOneCycle}) {
-    if (name == scheduler_type_name(t)) return t;
-  }
-  return std::nullopt;
-}
-
 std::span<const std::string_view> scheduler_params(SchedulerConfig::Type t) {
   switch (t) {
     case SchedType::kNone:

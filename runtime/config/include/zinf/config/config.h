@@ -155,13 +155,13 @@ struct SchedulerConfig {
   enum class Type { kNone, kWarmupLR, kWarmupDecayLR, kWarmupCosineLR, kOneCycle };
   enum class WarmupType { kLog, kLinear };
 
-  Type type = Type::kNone;
+  Type type = Type::kNone;  // tunables::kLrSchedule (checked below)
   // WarmupLR, WarmupDecayLR: lr from warmup_min_lr to warmup_max_lr over the warm-up.
   double warmup_min_lr = 0.0;
   // WarmupLR: absent = optimizer.params.lr; WarmupDecayLR: absent = 0.001 (DeepSpeed's defaults).
   std::optional<double> warmup_max_lr;
   // WarmupLR, WarmupDecayLR, WarmupCosineLR: steps of warm-up (> 0; DeepSpeed uses max(2, n)).
-  int64_t warmup_num_steps = 1000;
+  int64_t warmup_num_steps = tunables::kWarmupSteps.value;
   WarmupType warmup_type = WarmupType::kLog;  // "log" | "linear"
   std::optional<int64_t> total_num_steps;     // WarmupDecayLR, WarmupCosineLR: required, >= 1
   // WarmupCosineLR: ratios of optimizer.params.lr.
@@ -187,9 +187,30 @@ struct SchedulerConfig {
 };
 
 // DeepSpeed's names: "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle"; "none" for kNone.
-std::string_view scheduler_type_name(SchedulerConfig::Type t);
+constexpr std::string_view scheduler_type_name(SchedulerConfig::Type t) {
+  switch (t) {
+    case SchedulerConfig::Type::kNone:
+      return "none";
+    case SchedulerConfig::Type::kWarmupLR:
+      return "WarmupLR";
+    case SchedulerConfig::Type::kWarmupDecayLR:
+      return "WarmupDecayLR";
+    case SchedulerConfig::Type::kWarmupCosineLR:
+      return "WarmupCosineLR";
+    case SchedulerConfig::Type::kOneCycle:
+      return "OneCycle";
+  }
+  return "none";
+}
 // Exact names (as DeepSpeed); "none" too (the CLI's --lr-schedule none).
-std::optional<SchedulerConfig::Type> parse_scheduler_type(std::string_view name);
+constexpr std::optional<SchedulerConfig::Type> parse_scheduler_type(std::string_view name) {
+  using T = SchedulerConfig::Type;
+  for (T t : {T::kNone, T::kWarmupLR, T::kWarmupDecayLR, T::kWarmupCosineLR, T::kOneCycle}) {
+    if (name == scheduler_type_name(t)) return t;
+  }
+  return std::nullopt;
+}
+static_assert(scheduler_type_name(SchedulerConfig{}.type) == tunables::kLrSchedule.value);
 // The parameters (DeepSpeed's names) a type accepts.
 std::span<const std::string_view> scheduler_params(SchedulerConfig::Type t);
 
