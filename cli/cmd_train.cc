@@ -306,11 +306,12 @@ const Registration kTrain{
                      help("Sequences per rank per micro-step", t::kMicroBatch));
       sub.add_option("--steps", a->steps, "Optimizer steps")->capture_default_str();
       sub.add_option("--lr", a->lr, help("Learning rate", t::kLr));
-      sub.add_option("--lr-schedule", a->lr_schedule,
-                     help("DeepSpeed's schedule: none, WarmupLR, WarmupDecayLR (to 0 at --steps), "
-                          "WarmupCosineLR (over --steps), OneCycle (needs its cycle_min_lr and "
-                          "cycle_max_lr from --config)",
-                          t::kLrSchedule));
+      sub.add_option(
+          "--lr-schedule", a->lr_schedule,
+          help("DeepSpeed's schedule: none, WarmupLR, WarmupDecayLR (decays over --steps), "
+               "WarmupCosineLR (over --steps), OneCycle (needs its cycle_min_lr and "
+               "cycle_max_lr from --config)",
+               t::kLrSchedule));
       sub.add_option("--warmup-steps", a->warmup_steps,
                      help("Warm-up steps of the Warmup* schedules", t::kWarmupSteps));
       sub.add_option("--seed", a->seed,

@@ -780,7 +780,7 @@ TEST(Config, LogEffectiveConfigShowsEveryBlock) {
   EXPECT_THAT(text, HasSubstr("config optimizer:"));
   EXPECT_THAT(text, HasSubstr("params.lr=0.001"));
   EXPECT_THAT(text, HasSubstr("config zinf:"));
-  EXPECT_THAT(text, HasSubstr("\"auto\" given its default for: "));
+  EXPECT_THAT(text, HasSubstr("\"auto\" (left to the trainer; until resolved, the default) for: "));
   EXPECT_THAT(text, HasSubstr("zero_optimization.reduce_bucket_size"));
 }
 

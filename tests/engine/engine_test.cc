@@ -514,14 +514,19 @@ TEST(Engine, SetLrAndSetBetasApplyToTheNextStep) {
         else
           all_params(e);
         for (size_t k = 0; k < lrs.size(); ++k) {
-          if (lrs[k] >= 0) ASSERT_TRUE(e.set_lr(lrs[k]).is_ok());
-          if (beta1 >= 0) ASSERT_TRUE(e.set_betas(beta1, 0.99f).is_ok());
+          if (lrs[k] >= 0) {
+            ASSERT_TRUE(e.set_lr(lrs[k]).is_ok());
+          }
+          if (beta1 >= 0) {
+            ASSERT_TRUE(e.set_betas(beta1, 0.99f).is_ok());
+          }
           ASSERT_TRUE(constant_grads_step(e, 0.25f * (k + 1), SIZE_MAX, 0).is_ok());
           auto p = all_params(e);
           if (rank == 0) after[k + 1] = std::move(p);
         }
-        if (rank == 0 && !lrs.empty() && lrs.back() >= 0)
+        if (rank == 0 && !lrs.empty() && lrs.back() >= 0) {
           EXPECT_EQ(e.settings().adam.lr, lrs.back());
+        }
       });
       EXPECT_TRUE(st.is_ok()) << st.to_string();
       return after;

@@ -174,7 +174,8 @@ void log_effective_config(const Config& c) {
     log::info("config {}: {}", key, fmt::join(leaves, " "));
   }
   if (!c.auto_keys.empty()) {
-    log::info("config: \"auto\" given its default for: {}", fmt::join(c.auto_keys, ", "));
+    log::info("config: \"auto\" (left to the trainer; until resolved, the default) for: {}",
+              fmt::join(c.auto_keys, ", "));
   }
 }
 

@@ -274,7 +274,9 @@ struct Config {
 
   // Filled by parse_config, not part of the effective configuration (to_json leaves them out):
   std::vector<std::string> unknown_keys;  // JSON paths of keys zinf does not know, sorted
-  std::vector<std::string> auto_keys;     // JSON paths given as "auto", left at their default
+  // JSON paths given as "auto": left at their default (a schedule parameter without one: unset)
+  // for the trainer to resolve from the run (`zinf train` does: docs/configuration.md, "auto").
+  std::vector<std::string> auto_keys;
   // JSON paths of the accepted-but-ignored keys the config sets (accepted_but_ignored_keys()),
   // sorted; named in one warning.
   std::vector<std::string> ignored_keys;
