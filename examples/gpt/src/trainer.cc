@@ -226,14 +226,18 @@ Status fail_rank(comm::Communicator& comm, Shared& shared, const Status& status)
 }
 
 Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o,
-                 const TextDataset& data, Shared& shared, const StepCallback& on_step);
+                 const TextDataset& data, Shared& shared, const StepCallback& on_step,
+                 const optim::LrSchedule& schedule);
 
 Status run_rank(comm::Communicator& comm, const TrainOptions& o, const TextDataset& data,
                 Shared& shared, const StepCallback& on_step, const StartCallback& on_start) {
   ZINF_ASSIGN_OR_RETURN(auto engine,
                         Engine::create(o.engine, comm, engine_units(o.model), make_init(o.model)));
   if (comm.rank() == 0 && on_start) on_start(engine->settings(), engine->budgets());
-  Status status = catching(o, [&] { return run_steps(*engine, comm, o, data, shared, on_step); });
+  ZINF_ASSIGN_OR_RETURN(optim::LrSchedule schedule,
+                        optim::LrSchedule::create(o.lr_schedule, o.engine.adam.lr));
+  Status status =
+      catching(o, [&] { return run_steps(*engine, comm, o, data, shared, on_step, schedule); });
   // Before the engine goes: its destructor waits for the collectives it has in flight, which the
   // abort ends at once on every rank.
   if (!status.is_ok()) return fail_rank(comm, shared, status);
@@ -241,7 +245,8 @@ Status run_rank(comm::Communicator& comm, const TrainOptions& o, const TextDatas
 }
 
 Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o,
-                 const TextDataset& data, Shared& shared, const StepCallback& on_step) {
+                 const TextDataset& data, Shared& shared, const StepCallback& on_step,
+                 const optim::LrSchedule& schedule) {
   const int rank = comm.rank(), world = comm.world_size();
   const GptConfig& cfg = o.model;
   const int T = o.seq > 0 ? o.seq : cfg.seq;
@@ -253,6 +258,13 @@ Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o
   StoreStats last_store = engine.store_stats();
   for (int step = 0; step < o.steps; ++step) {
     auto t0 = std::chrono::steady_clock::now();
+    // As DeepSpeed: the schedule advances with each applied step (not with skipped ones).
+    const int64_t applied = engine.last_step().step;
+    ZINF_RETURN_IF_ERROR(engine.set_lr(static_cast<float>(schedule.lr_for_step(applied))));
+    if (std::optional<optim::Betas> b = schedule.betas_for_step(applied)) {
+      ZINF_RETURN_IF_ERROR(
+          engine.set_betas(static_cast<float>(b->beta1), static_cast<float>(b->beta2)));
+    }
     double loss_sum = 0;
     for (int m = 0; m < gas; ++m) {
       ZINF_RETURN_IF_ERROR(data.sample_batch(o.seed, static_cast<uint64_t>(step) * gas + m, rank, B,
@@ -283,6 +295,9 @@ Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o
                   .tokens_per_s = static_cast<double>(B) * T * gas * world / seconds,
                   .skipped = engine.last_step().skipped,
                   .grad_norm = engine.last_step().grad_norm,
+                  .lr = engine.settings().adam.lr,
+                  .beta1 = engine.settings().adam.beta1,
+                  .beta2 = engine.settings().adam.beta2,
                   .memory = engine.memory_report(),
                   .comm = engine.comm_report(),
                   .schedule = engine.schedule_report(),
@@ -351,6 +366,7 @@ Status run_rank_guarded(comm::Communicator& comm, const TrainOptions& o, const T
 
 Status check_train_options(const TrainOptions& o) {
   ZINF_RETURN_IF_ERROR(validate(o.model));
+  ZINF_RETURN_IF_ERROR(optim::LrSchedule::create(o.lr_schedule, o.engine.adam.lr).status());
   if (o.batch < 1) return make_error(ErrorCode::kInvalidArgument, "--batch must be at least 1");
   if (o.steps < 1) return make_error(ErrorCode::kInvalidArgument, "--steps must be at least 1");
   if (!o.mpi && (o.ranks < 1 || o.ranks > 64)) {
