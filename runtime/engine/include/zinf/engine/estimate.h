@@ -13,10 +13,11 @@
 //           least); with NVMe the staging buffers and the cache of NVMe-homed state, up to the
 //           host budget; at least the pinned buffers the initialisation leaves in the pool;
 //   nvme    the state homed there.
-// Traffic per rank per step is the least each choice moves: collectives as the ZeRO paper counts
-// them (2P stages 0-2, 3P stage 3, in the working dtype), PCIe (gradients to the CPU optimizer
-// and updated parameters back; parameter shards from host or NVMe for each use), NVMe (optimizer
-// state read and written once, parameter shards read per use and written once).
+// Traffic per rank per step, as zinf's step moves it when nothing is cached: collectives as the
+// ZeRO paper counts them (2P stages 0-2, 3P stage 3, in the working dtype), PCIe (gradients to the
+// CPU optimizer and updated parameters back; parameter shards from host or NVMe for each use),
+// NVMe (optimizer state and the fp32 gradient accumulator read and written once, parameter shards
+// read per use, once more as the fp32 master, and written once).
 //
 // DeepSpeed's own estimators (estimate_zero2/3_model_states_mem_needs_all_cold) are reproduced
 // as DeepSpeed computes them, for comparison (deepspeed_zero2_rows, deepspeed_zero3_rows).
