@@ -218,8 +218,13 @@ Status fail_rank(comm::Communicator& comm, Shared& shared, const Status& status)
   Status named = status;
   named.with_context(fmt::format("rank {} of {}", comm.rank(), comm.world_size()));
   {
+    // The run reports the cause: a peer's echo of another rank's failure (kUnavailable: "the
+    // step failed on 1 other rank", "rank 0 failed: ...") gives way to the failure itself.
     std::lock_guard lock(shared.mu);
-    if (shared.first_failure.is_ok()) shared.first_failure = named;
+    const bool echo = shared.first_failure.code() == ErrorCode::kUnavailable;
+    if (shared.first_failure.is_ok() || (echo && status.code() != ErrorCode::kUnavailable)) {
+      shared.first_failure = named;
+    }
   }
   comm.abort(status);  // the peers' errors name the rank themselves
   return named;
