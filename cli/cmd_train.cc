@@ -32,6 +32,8 @@ struct Args {
   int ranks = 1;
   std::string config;
   std::string log_json, export_path;
+  std::string save_dir, resume;
+  int save_every = 0, keep = 0;
   int sample = 0;
   bool quiet = false;
   bool describe = false;
@@ -140,6 +142,10 @@ void run(const Args& a, const CLI::App& sub) {
   o.sample_bytes = a.sample;
   o.export_path = a.export_path;
   o.log_json = a.log_json;
+  o.save_dir = a.save_dir;
+  o.save_every = a.save_every;
+  o.keep = a.keep;
+  o.resume = a.resume;
   // A DeepSpeed JSON config sets what it names; flags given on the command line win; what
   // neither sets is the table's default (or zinf train's own).
   std::optional<config::Config> cfg;
@@ -158,6 +164,11 @@ void run(const Args& a, const CLI::App& sub) {
   for (const std::string& p : e.nvme_paths) {
     std::error_code ec;
     std::filesystem::create_directories(p, ec);
+  }
+  if (!trace_path.empty()) {
+    if (Status s = gpt::check_output_file("--trace", trace_path); !s.is_ok()) {
+      throw CliError(s.detail(), 2);
+    }
   }
   if (Status s = gpt::check_train_options(o); !s.is_ok()) throw CliError(s.detail(), 2);
 
@@ -254,6 +265,13 @@ void run(const Args& a, const CLI::App& sub) {
   }
   if (!report.is_ok()) throw CliError(report.status().detail());
   if (a.quiet) return;
+  if (!report->resumed_path.empty()) {
+    std::printf("resumed from %s at step %lld\n", report->resumed_path.c_str(),
+                static_cast<long long>(report->resumed_from));
+  }
+  if (!report->last_checkpoint.empty()) {
+    std::printf("last checkpoint: %s\n", report->last_checkpoint.c_str());
+  }
   std::printf("loss %.4f -> %.4f (chance: %.4f)\n", report->initial_loss, report->final_loss,
               std::log(256.0));
   print_memory_table(*report, e.dtype);
@@ -350,6 +368,17 @@ const Registration kTrain{
                      "Write the effective settings ({\"settings\": ...}), the budgets chosen "
                      "({\"budgets\": ...}) and then one JSON object per step to this file");
       sub.add_option("--export", a->export_path, "Write the final fp32 weights (.safetensors)");
+      sub.add_option("--save-dir", a->save_dir,
+                     "Save checkpoints here (step-<N>/, and `latest`): every --save-every steps "
+                     "and after the last step (docs/checkpoints.md)");
+      sub.add_option("--save-every", a->save_every,
+                     "Steps between checkpoints (0 = only after the last step)")
+          ->capture_default_str();
+      sub.add_option("--keep", a->keep, "Keep the newest K checkpoints (0 = all)")
+          ->capture_default_str();
+      sub.add_option("--resume", a->resume,
+                     "Resume from a checkpoint: its directory, a --save-dir root, or `latest` "
+                     "(the newest under --save-dir); --steps stays the total");
       sub.add_option("--sample", a->sample, "Generate this many bytes of text at the end");
       sub.add_flag("--quiet", a->quiet, "Print nothing but errors");
       sub.add_flag("--describe", a->describe,

@@ -31,7 +31,15 @@ struct TrainOptions {
   EngineSettings engine;    // stage, dtype, optimizer, offload, budgets
   std::string log_json;     // one JSON object per step
   std::string export_path;  // consolidated fp32 weights (.safetensors) at the end
-  int sample_bytes = 0;     // text generated at the end
+  // Checkpoints (docs/checkpoints.md). With save_dir, a checkpoint every save_every steps (0 =
+  // none on the way) and one after the last step, keeping the newest `keep` (0 = all). resume: a
+  // checkpoint directory, a root holding `latest`, or "latest" (save_dir's newest); `steps` is
+  // the total, so a resumed run continues from the saved step up to it.
+  std::string save_dir;
+  int save_every = 0;
+  int keep = 0;
+  std::string resume;
+  int sample_bytes = 0;  // text generated at the end
   std::string sample_prompt = "\n";
   bool progress = true;  // a progress line on a terminal
 };
@@ -58,8 +66,11 @@ struct TrainReport {
   int64_t parameters = 0;          // unpadded
   uint64_t padded_parameters = 0;  // P of the ZeRO arithmetic
   std::string sample;
-  double initial_loss = 0;  // loss of the first step
-  double final_loss = 0;    // mean loss of the last 10 % of steps
+  double initial_loss = 0;      // loss of the first step
+  double final_loss = 0;        // mean loss of the last 10 % of steps
+  int64_t resumed_from = 0;     // the step the run started from (a resumed run's checkpoint)
+  std::string resumed_path;     // the checkpoint directory it was loaded from
+  std::string last_checkpoint;  // the directory of the last checkpoint saved
 };
 
 using StepCallback = std::function<void(const StepLog&, int total_steps)>;
@@ -70,6 +81,11 @@ using StartCallback = std::function<void(const EngineSettings& effective, const 
 // Checks the options before anything is allocated: model shape, data (exists, non-empty, longer
 // than a window), budgets large enough for one unit, NVMe paths with room for the offloaded state.
 Status check_train_options(const TrainOptions& options);
+
+// An output file a run will write (`flag` names it in the error): its directory exists and is
+// writable, and the path is not a directory. Checked before training, so a bad path costs
+// nothing.
+Status check_output_file(std::string_view flag, const std::string& path);
 
 // Trains and returns what rank 0 saw (on other MPI ranks: their own view).
 Result<TrainReport> train(const TrainOptions& options, const StepCallback& on_step = {},
