@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "command.h"
+#include "shutdown.h"
 #include "train_settings.h"
 #include "zinf/comm/factory.h"
 #include "zinf/core/trace.h"
@@ -254,6 +255,10 @@ void run(const Args& a, const CLI::App& sub) {
       log->flush();
     }
   };
+  // SIGINT / SIGTERM: stop after the current step (saving with --save-dir), exit 128 + signal.
+  // Before any thread starts (the trace writer's included): they inherit the blocked mask.
+  SignalWatcher signals(e.nvme_paths);
+  o.stop = &signals.received();
   if (!trace_path.empty()) trace::start(trace_path);
   auto report = gpt::train(o, on_step, on_start);
   if (tty) std::fprintf(stderr, "\n");
@@ -263,7 +268,16 @@ void run(const Args& a, const CLI::App& sub) {
     if (!a.quiet)
       std::printf("trace written to %s (open it in ui.perfetto.dev)\n", trace_path.c_str());
   }
-  if (!report.is_ok()) throw CliError(report.status().detail());
+  if (!report.is_ok()) {
+    const int sig = signals.received().load();
+    if (sig != 0 && report.status().code() == ErrorCode::kCancelled) {
+      throw CliError(report.status().detail(), 128 + sig);
+    }
+    throw CliError(report.status().detail());
+  }
+  if (const int sig = signals.received().load(); sig != 0) {
+    throw CliError("stopped by a signal after the last step", 128 + sig);
+  }
   if (a.quiet) return;
   if (!report->resumed_path.empty()) {
     std::printf("resumed from %s at step %lld\n", report->resumed_path.c_str(),

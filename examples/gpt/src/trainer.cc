@@ -320,12 +320,16 @@ Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o
       ZINF_RETURN_IF_ERROR(scopes.close_all());
       loss_sum += loss;
     }
-    float local = static_cast<float>(loss_sum / gas), mean = local;
+    // The mean loss; with a stop flag, also whether any rank saw it (every rank then stops after
+    // this same step).
+    float local[2] = {static_cast<float>(loss_sum / gas), 0}, mean[2] = {local[0], 0};
+    if (o.stop != nullptr && o.stop->load() != 0) local[1] = 1;
     ZINF_RETURN_IF_ERROR(
-        comm.all_reduce(&local, &mean, 1, DType::kF32, comm::ReduceOp::kAvg).wait());
+        comm.all_reduce(local, mean, o.stop ? 2 : 1, DType::kF32, comm::ReduceOp::kAvg).wait());
+    const bool stopping = mean[1] > 0;
     ZINF_RETURN_IF_ERROR(engine.step());
     if (!o.save_dir.empty() &&
-        ((o.save_every > 0 && (step + 1) % o.save_every == 0) || step + 1 == o.steps)) {
+        ((o.save_every > 0 && (step + 1) % o.save_every == 0) || step + 1 == o.steps || stopping)) {
       ZINF_ASSIGN_OR_RETURN(
           std::string dir,
           engine.save_checkpoint(o.save_dir, {.step = step + 1,
@@ -338,7 +342,7 @@ Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o
     if (rank == 0) {
       StoreStats now = engine.store_stats();
       StepLog log{.step = step + 1,
-                  .loss = mean,
+                  .loss = mean[0],
                   .seconds = seconds,
                   .tokens_per_s = static_cast<double>(B) * T * gas * world / seconds,
                   .skipped = engine.last_step().skipped,
@@ -355,6 +359,10 @@ Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o
         shared.report.steps.push_back(log);
       }
       if (on_step) on_step(log, o.steps);
+    }
+    if (stopping && step + 1 < o.steps) {
+      return make_error(ErrorCode::kCancelled, "stopped after step {} of {}{}", step + 1, o.steps,
+                        o.save_dir.empty() ? "" : fmt::format(" (saved in {})", o.save_dir));
     }
   }
   {

@@ -2,6 +2,7 @@
 // per thread on the local communicator or one per process under mpirun.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -39,6 +40,10 @@ struct TrainOptions {
   int save_every = 0;
   int keep = 0;
   std::string resume;
+  // Clean shutdown: when set (non-zero, e.g. the number of a signal received) the ranks agree to
+  // stop after the current step, a checkpoint is saved when save_dir is given, and train()
+  // returns kCancelled naming the step (the engines, and with them the swap files, are gone).
+  const std::atomic<int>* stop = nullptr;
   int sample_bytes = 0;  // text generated at the end
   std::string sample_prompt = "\n";
   bool progress = true;  // a progress line on a terminal
