@@ -16,6 +16,7 @@
 #include "engine/mlp.h"
 #include "io/test_dir.h"
 #include "zinf/ckpt/directory.h"
+#include "zinf/ckpt/export.h"
 #include "zinf/ckpt/manifest.h"
 
 namespace zinf {
@@ -102,6 +103,10 @@ Outcome run(const EngineSettings& s, int world, int first, int last,
                                           .user_state = fmt::format("{{\"step\": {}}}", step + 1)});
           if (!saved.is_ok()) return fail(saved.status());
         }
+      }
+      if (first == last && !save_root.empty()) {  // loaded and saved again, no step between
+        auto saved = e.save_checkpoint(save_root, {.step = first});
+        if (!saved.is_ok()) return fail(saved.status());
       }
       for (size_t u = 0; u < e.unit_count(); ++u) {
         auto p = e.full_parameters(u);
@@ -255,6 +260,22 @@ TEST(Checkpoint, KeepRemovesTheOlderOnesAndLatestNamesTheNewest) {
   EXPECT_EQ(names, (std::vector<std::string>{"latest", "step-3", "step-4"}));
 }
 
+// The checkpoint under `root` exported as safetensors (in `dtype`), its bytes.
+std::string exported(const std::string& root, DType dtype) {
+  auto dir = ckpt::resolve_checkpoint(root);
+  if (!dir.is_ok()) return dir.status().to_string();
+  auto m = ckpt::read_manifest(*dir);
+  if (!m.is_ok()) return m.status().to_string();
+  const std::string out = root + "/exported.safetensors";
+  if (Status st = ckpt::export_safetensors(*dir, *m, out, dtype); !st.is_ok()) {
+    return st.to_string();
+  }
+  std::ifstream f(out, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::filesystem::remove(out);
+  return bytes;
+}
+
 // Saved at world size 4 in stage 3, loaded at 2 and 1 in other stages: the parameters loaded are
 // the saved ones bit for bit, and the run continues.
 TEST(Checkpoint, LoadsAtAnotherWorldSizeAndStage) {
@@ -267,9 +288,14 @@ TEST(Checkpoint, LoadsAtAnotherWorldSizeAndStage) {
       for (int world : {2, 1}) {
         const std::string what =
             fmt::format("{} world {} stage {}", dtype_name(dtype), world, m.stage);
-        Outcome loaded = run(settings_for(m, dtype, nvme.path()), world, 2, 2, ckpt.path());
+        TempDir again;
+        Outcome loaded =
+            run(settings_for(m, dtype, nvme.path()), world, 2, 2, ckpt.path(), again.path());
         ASSERT_TRUE(loaded.status.is_ok()) << what << ": " << loaded.status.to_string();
         EXPECT_TRUE(same_bits(saved.params, loaded.params)) << what;
+        // Exported directly, and after loading at this world size and stage and saving again:
+        // the same bytes.
+        EXPECT_EQ(exported(ckpt.path(), dtype), exported(again.path(), dtype)) << what;
         Outcome more = run(settings_for(m, dtype, nvme.path()), world, 2, 3, ckpt.path());
         ASSERT_TRUE(more.status.is_ok()) << what << ": " << more.status.to_string();
         EXPECT_FALSE(same_bits(saved.params, more.params)) << what;
