@@ -279,12 +279,20 @@ void run(const Args& a, const CLI::App& sub) {
     throw CliError("stopped by a signal after the last step", 128 + sig);
   }
   if (a.quiet) return;
+  auto rate = [](uint64_t bytes, double seconds) {
+    return format_rate(seconds > 0 ? static_cast<double>(bytes) / seconds : 0);
+  };
   if (!report->resumed_path.empty()) {
-    std::printf("resumed from %s at step %lld\n", report->resumed_path.c_str(),
-                static_cast<long long>(report->resumed_from));
+    std::printf("resumed from %s at step %lld (loaded %s in %.2f s: %s)\n",
+                report->resumed_path.c_str(), static_cast<long long>(report->resumed_from),
+                format_bytes(static_cast<double>(report->load_bytes)).c_str(), report->load_seconds,
+                rate(report->load_bytes, report->load_seconds).c_str());
   }
   if (!report->last_checkpoint.empty()) {
-    std::printf("last checkpoint: %s\n", report->last_checkpoint.c_str());
+    std::printf("last checkpoint: %s (%d saved: %s in %.2f s, %s)\n",
+                report->last_checkpoint.c_str(), report->saves,
+                format_bytes(static_cast<double>(report->save_bytes)).c_str(), report->save_seconds,
+                rate(report->save_bytes, report->save_seconds).c_str());
   }
   std::printf("loss %.4f -> %.4f (chance: %.4f)\n", report->initial_loss, report->final_loss,
               std::log(256.0));

@@ -250,7 +250,10 @@ std::string resume_path(const TrainOptions& o) {
 
 // Loads the checkpoint into the engine: the step the run continues from.
 Result<int64_t> resume_from(Engine& engine, const TrainOptions& o, Shared& shared) {
+  const auto t0 = std::chrono::steady_clock::now();
   ZINF_ASSIGN_OR_RETURN(LoadedCheckpoint loaded, engine.load_checkpoint(resume_path(o)));
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   int64_t step = 0;
   uint64_t seed = 0;
   try {
@@ -270,6 +273,10 @@ Result<int64_t> resume_from(Engine& engine, const TrainOptions& o, Shared& share
     std::lock_guard lock(shared.mu);
     shared.report.resumed_from = step;
     shared.report.resumed_path = loaded.path;
+    shared.report.load_seconds = seconds;
+    if (auto m = ckpt::read_manifest(loaded.path); m.is_ok()) {
+      shared.report.load_bytes = m->total_bytes();
+    }
   }
   return step;
 }
@@ -330,13 +337,22 @@ Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o
     ZINF_RETURN_IF_ERROR(engine.step());
     if (!o.save_dir.empty() &&
         ((o.save_every > 0 && (step + 1) % o.save_every == 0) || step + 1 == o.steps || stopping)) {
+      const auto t0 = std::chrono::steady_clock::now();
       ZINF_ASSIGN_OR_RETURN(
           std::string dir,
           engine.save_checkpoint(o.save_dir, {.step = step + 1,
                                               .keep = o.keep,
                                               .user_state = checkpoint_user_state(o, step + 1)}));
-      std::lock_guard lock(shared.mu);
-      shared.report.last_checkpoint = std::move(dir);
+      if (rank == 0) {
+        const double seconds =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        auto m = ckpt::read_manifest(dir);
+        std::lock_guard lock(shared.mu);
+        shared.report.save_seconds += seconds;
+        shared.report.save_bytes += m.is_ok() ? m->total_bytes() : 0;
+        ++shared.report.saves;
+        shared.report.last_checkpoint = std::move(dir);
+      }
     }
     double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (rank == 0) {

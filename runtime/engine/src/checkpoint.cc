@@ -96,11 +96,13 @@ class Saver {
 
  private:
   // One tensor, through a host copy (the home itself for host-homed state; a copy read from the
-  // device or NVMe otherwise, dropped afterwards: one tensor's worth of host memory at a time).
+  // device or NVMe otherwise, dropped afterwards unless it was cached before: one tensor's worth
+  // of extra host memory at a time, within the host budget).
   Status write(ckpt::ShardWriter& w, const char* kind, size_t u, TensorId id, Tier home,
                uint64_t begin, uint64_t end, DType dtype) {
     const uint64_t bytes = (end - begin) * dtype_size(dtype);
     const std::string& name = e_.store->spec(id).name;
+    const bool cached = e_.store->residency(id).valid[static_cast<int>(Tier::kHost)];
     {
       ZINF_ASSIGN_OR_RETURN(TensorHandle h, e_.store->acquire(id, Tier::kHost));
       ZINF_CHECK(h.bytes() >= bytes, "tensor {}: {} bytes, the segment needs {}", name, h.bytes(),
@@ -114,7 +116,8 @@ class Saver {
                                  .offset = w.offset()});
       ZINF_RETURN_IF_ERROR(w.write(h.data(), bytes).with_context("saving tensor " + name));
     }
-    if (home != Tier::kHost) ZINF_RETURN_IF_ERROR(e_.store->evict(id, Tier::kHost));
+    // A copy made for the save is dropped; one that was there before stays (the cache as it was).
+    if (home != Tier::kHost && !cached) ZINF_RETURN_IF_ERROR(e_.store->evict(id, Tier::kHost));
     return Status::ok();
   }
 

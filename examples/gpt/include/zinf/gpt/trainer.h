@@ -76,6 +76,11 @@ struct TrainReport {
   int64_t resumed_from = 0;     // the step the run started from (a resumed run's checkpoint)
   std::string resumed_path;     // the checkpoint directory it was loaded from
   std::string last_checkpoint;  // the directory of the last checkpoint saved
+  // Rank 0's time in save_checkpoint / load_checkpoint (collectives: every rank's files are
+  // written or read meanwhile), and the checkpoint's bytes (every rank's files).
+  double save_seconds = 0, load_seconds = 0;
+  uint64_t save_bytes = 0, load_bytes = 0;
+  int saves = 0;
 };
 
 using StepCallback = std::function<void(const StepLog&, int total_steps)>;
