@@ -14,6 +14,8 @@ namespace {
 
 XXH3_state_t* state(void* p) { return static_cast<XXH3_state_t*>(p); }
 
+constexpr uint64_t kDirectAlign = 4096;
+
 }  // namespace
 
 uint64_t xxh3(const void* data, uint64_t bytes) { return XXH3_64bits(data, bytes); }
@@ -24,7 +26,12 @@ Result<ShardWriter> ShardWriter::create(const std::string& dir, const std::strin
   ShardWriter w;
   w.name_ = name;
   w.path_ = dir + "/" + name;
-  w.fd_ = ::open(w.path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+  // O_DIRECT first: on the disks measured, buffered writes and an fsync ran at a tenth of what
+  // direct writes reach (docs/checkpoints.md). A file system that refuses it gets buffered I/O.
+  const int flags = O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC;
+  w.fd_ = ::open(w.path_.c_str(), flags | O_DIRECT, 0600);
+  w.direct_ = w.fd_ >= 0;
+  if (w.fd_ < 0 && errno == EINVAL) w.fd_ = ::open(w.path_.c_str(), flags, 0600);
   if (w.fd_ < 0) return errno_status(errno, "cannot create checkpoint file " + w.path_);
   w.hash_ = XXH3_createState();
   if (w.hash_ == nullptr) {
@@ -44,6 +51,7 @@ ShardWriter& ShardWriter::operator=(ShardWriter&& o) noexcept {
     name_ = std::move(o.name_);
     path_ = std::move(o.path_);
     offset_ = o.offset_;
+    direct_ = o.direct_;
     hash_ = std::exchange(o.hash_, nullptr);
   }
   return *this;
@@ -62,6 +70,16 @@ void ShardWriter::close_fd() {
 Status ShardWriter::write(const void* data, uint64_t bytes) {
   if (fd_ < 0) return make_error(ErrorCode::kInvalidArgument, "{} is not open", path_);
   XXH3_64bits_update(state(hash_), data, bytes);
+  // Direct I/O needs whole aligned blocks: the first write that is not turns it off for good
+  // (the engine's tensors are 4 KiB-aligned whole blocks; small files are not).
+  if (direct_ && (reinterpret_cast<uintptr_t>(data) % kDirectAlign != 0 ||
+                  bytes % kDirectAlign != 0 || offset_ % kDirectAlign != 0)) {
+    const int fl = ::fcntl(fd_, F_GETFL);
+    if (fl < 0 || ::fcntl(fd_, F_SETFL, fl & ~O_DIRECT) != 0) {
+      return errno_status(errno, "turning off direct I/O on " + path_);
+    }
+    direct_ = false;
+  }
   const char* p = static_cast<const char*>(data);
   uint64_t left = bytes;
   while (left > 0) {

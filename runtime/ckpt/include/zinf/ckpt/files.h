@@ -2,7 +2,9 @@
 // the bytes pass (never a second pass over the data on save).
 //
 // Contract
-//  - ShardWriter creates its file fresh (O_EXCL, O_NOFOLLOW, mode 0600) and appends. finish()
+//  - ShardWriter creates its file fresh (O_EXCL, O_NOFOLLOW, mode 0600) and appends, with direct
+//    I/O while the writes are whole 4 KiB-aligned blocks (buffered I/O from the first that is not,
+//    or where the file system refuses O_DIRECT). finish()
 //    fsyncs and closes it and returns its size and checksum; a writer dropped unfinished closes
 //    its file and leaves it to the caller's temporary directory, which is removed on failure.
 //  - ShardReader::open() refuses a file whose size differs from the manifest's (a truncated
@@ -47,6 +49,7 @@ class ShardWriter {
   int fd_ = -1;
   std::string name_, path_;
   uint64_t offset_ = 0;
+  bool direct_ = false;   // O_DIRECT (until a write that is not whole aligned blocks)
   void* hash_ = nullptr;  // XXH3_state_t
 };
 
