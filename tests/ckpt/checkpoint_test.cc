@@ -276,6 +276,38 @@ std::string exported(const std::string& root, DType dtype) {
   return bytes;
 }
 
+// A save of a step that exists replaces it; a crash half-way through the replacement (the old
+// one moved aside, the new one not yet in place) still resolves to a complete checkpoint.
+TEST(Checkpoint, ReplacingAStepKeepsACompleteOneAtEveryPoint) {
+  TempDir nvme, ckpt;
+  const EngineSettings s = settings_for(kModes[3], DType::kF32, nvme.path());
+  EngineSettings faster = s;
+  faster.adam.lr = 3e-2f;
+  ASSERT_TRUE(run(s, 1, 0, 2, "", ckpt.path(), 2).status.is_ok());
+  Outcome first = run(s, 1, 2, 2, ckpt.path());
+  ASSERT_TRUE(first.status.is_ok()) << first.status.to_string();
+  // step-2 saved again from a run with another learning rate: it replaces the first.
+  ASSERT_TRUE(run(faster, 1, 0, 2, "", ckpt.path(), 2).status.is_ok());
+  Outcome second = run(s, 1, 2, 2, ckpt.path());
+  ASSERT_TRUE(second.status.is_ok()) << second.status.to_string();
+  EXPECT_FALSE(same_bits(first.params, second.params));
+  EXPECT_EQ(ckpt::list_steps(ckpt.path()), (std::vector<int64_t>{2}));
+  // A third save of step 2 that died after moving step-2 aside and before its own was in place
+  // (its process gone: an impossible pid), `latest` still naming step-2: the complete one aside
+  // is found.
+  const std::string aside = ckpt.path() + "/old-2-999999999";
+  std::filesystem::rename(ckpt.path() + "/step-2", aside);
+  auto dir = ckpt::resolve_checkpoint(ckpt.path());
+  ASSERT_TRUE(dir.is_ok()) << dir.status().to_string();
+  EXPECT_EQ(*dir, aside);
+  Outcome loaded = run(s, 1, 2, 2, ckpt.path());
+  ASSERT_TRUE(loaded.status.is_ok()) << loaded.status.to_string();
+  EXPECT_TRUE(same_bits(loaded.params, second.params));
+  // prune() keeps it while step-2 is missing.
+  ASSERT_TRUE(ckpt::prune(ckpt.path(), 1).is_ok());
+  EXPECT_TRUE(std::filesystem::exists(aside));
+}
+
 // Saved at world size 4 in stage 3, loaded at 2 and 1 in other stages: the parameters loaded are
 // the saved ones bit for bit, and the run continues.
 TEST(Checkpoint, LoadsAtAnotherWorldSizeAndStage) {

@@ -28,9 +28,9 @@ int64_t parse_step(const std::string& name) {
   return n;
 }
 
-// "tmp-<N>-<pid>" -> pid; 0 for anything else.
+// "tmp-<N>-<pid>" or "old-<N>-<pid>" -> pid; 0 for anything else.
 pid_t parse_tmp_pid(const std::string& name) {
-  if (name.rfind("tmp-", 0) != 0) return 0;
+  if (name.rfind("tmp-", 0) != 0 && name.rfind("old-", 0) != 0) return 0;
   const size_t dash = name.rfind('-');
   if (dash <= 3) return 0;
   try {
@@ -128,8 +128,11 @@ Status prune(const std::string& root, int keep) {
   for (const auto& entry : fs::directory_iterator(root, ec)) {
     const std::string name = entry.path().filename().string();
     const pid_t pid = parse_tmp_pid(name);
-    // A save in progress elsewhere keeps its directory: only a dead process's is removed.
-    if (pid > 0 && pid != ::getpid() && ::kill(pid, 0) != 0 && errno == ESRCH) {
+    // A save in progress elsewhere keeps its directories: only a dead process's are removed
+    // (an old-<N> of a dead process only once step-<N> is complete again).
+    const bool replaced = name.rfind("old-", 0) != 0 ||
+                          is_dir(root + "/" + step_dir_name(std::atoll(name.c_str() + 4)) + "/");
+    if (pid > 0 && pid != ::getpid() && replaced && ::kill(pid, 0) != 0 && errno == ESRCH) {
       ZINF_RETURN_IF_ERROR(remove_tree(entry.path().string()));
     }
   }
@@ -160,6 +163,17 @@ Result<std::string> resolve_checkpoint(const std::string& path) {
   }
   const std::string dir = path + "/" + name;
   if (::stat((dir + "/" + kManifestName).c_str(), &st) != 0) {
+    // A save of the same step again that died between moving the old step-<N> aside and
+    // renaming the new one into place (commit_dir): the old one, complete, is still aside.
+    const std::string aside = fmt::format("old-{}-", parse_step(name));
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(path, ec)) {
+      const std::string n = entry.path().filename().string();
+      if (n.rfind(aside, 0) == 0 &&
+          ::stat((entry.path().string() + "/" + kManifestName).c_str(), &st) == 0) {
+        return entry.path().string();
+      }
+    }
     return errno_status(
         errno, fmt::format("{}/latest names {}, which has no {}", path, name, kManifestName));
   }

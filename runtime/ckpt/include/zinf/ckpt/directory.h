@@ -2,6 +2,7 @@
 //   step-<N>/         committed checkpoints (manifest.json and the ranks' shard files)
 //   latest            "step-<N>\n": the newest committed one
 //   tmp-<N>-<pid>/    a save in progress (or one whose process died)
+//   old-<N>-<pid>/    a step-<N> being replaced by a new save of the same step
 //
 // Atomicity: the files are written under tmp-<N>-<pid> and fsync'd, the directory is fsync'd and
 // renamed to step-<N>, the root is fsync'd, and `latest` is replaced by writing latest.tmp-<pid>,
@@ -37,7 +38,8 @@ Result<std::string> commit_dir(const std::string& root, const std::string& tmp, 
 Status prune(const std::string& root, int keep);
 
 // A checkpoint directory from what a user names: a directory holding manifest.json, or a root
-// whose `latest` names one. kNotFound says which was looked for.
+// whose `latest` names one (or, when a save of that same step died while replacing it, the
+// previous one still moved aside as old-<N>-<pid>). kNotFound says which was looked for.
 Result<std::string> resolve_checkpoint(const std::string& path);
 
 // The committed checkpoints under `root`, oldest first.
