@@ -47,6 +47,8 @@ struct Args {
   std::string prefetch_bucket, max_live, reuse_distance, sub_group;
   bool overlap_optimizer = false;
   bool no_checksum = false;
+  std::string lr_schedule;
+  int64_t warmup_steps = 0;
 };
 
 // The flags given, as build_train_settings() takes them.
@@ -74,7 +76,9 @@ TrainFlags train_flags(const Args& a, const CLI::App& sub) {
                     .host_mem = opt("--host-mem", a.host_mem),
                     .overlap_optimizer = a.overlap_optimizer,
                     .trace = opt("--trace", a.trace),
-                    .no_checksum = a.no_checksum};
+                    .no_checksum = a.no_checksum,
+                    .lr_schedule = opt("--lr-schedule", a.lr_schedule),
+                    .warmup_steps = opt("--warmup-steps", a.warmup_steps)};
 }
 
 // Help text of a tunable's flag: what it does, its JSON key and what leaving it out means.
@@ -156,8 +160,10 @@ void run(const Args& a, const CLI::App& sub) {
     cfg = std::move(*loaded);
   }
   const int world = o.mpi ? std::atoi(std::getenv("OMPI_COMM_WORLD_SIZE")) : o.ranks;
-  const TrainSettings ts = build_train_settings(train_flags(a, sub), cfg ? &*cfg : nullptr, world);
+  const TrainSettings ts = build_train_settings(train_flags(a, sub), cfg ? &*cfg : nullptr, world,
+                                                {.hidden = o.model.dim, .steps = a.steps});
   o.engine = ts.engine;
+  o.lr_schedule = ts.config.scheduler;
   o.batch = ts.batch;
   o.seed = ts.seed;  // one seed for the initialisation, the data order and the sample
   const EngineSettings& e = o.engine;
@@ -212,6 +218,9 @@ void run(const Args& a, const CLI::App& sub) {
                           {"seconds", s.seconds},
                           {"skipped", s.skipped},
                           {"grad_norm", s.grad_norm},
+                          {"lr", s.lr},
+                          {"beta1", s.beta1},
+                          {"beta2", s.beta2},
                           {"nvme_read_bytes", s.nvme_read},
                           {"nvme_written_bytes", s.nvme_written},
                           {"param_gather_elements", s.comm.param_gather_elements},
@@ -337,6 +346,14 @@ const Registration kTrain{
                      help("Sequences per rank per micro-step", t::kMicroBatch));
       sub.add_option("--steps", a->steps, "Optimizer steps")->capture_default_str();
       sub.add_option("--lr", a->lr, help("Learning rate", t::kLr));
+      sub.add_option(
+          "--lr-schedule", a->lr_schedule,
+          help("DeepSpeed's schedule: none, WarmupLR, WarmupDecayLR (decays over --steps), "
+               "WarmupCosineLR (over --steps), OneCycle (needs its cycle_min_lr and "
+               "cycle_max_lr from --config)",
+               t::kLrSchedule));
+      sub.add_option("--warmup-steps", a->warmup_steps,
+                     help("Warm-up steps of the Warmup* schedules", t::kWarmupSteps));
       sub.add_option("--seed", a->seed,
                      help("Seed of the initialisation and the data order", t::kSeed));
       sub.add_option("--data", a->data, "Text file to train on (default: the fortunes corpus)");

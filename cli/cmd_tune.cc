@@ -16,6 +16,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -41,6 +42,7 @@ struct Args {
   std::string out, plot;
   int ranks = 1;
   std::string adam_params = "16e6";
+  std::string max_in_flight = "64M";
   bool json = false;
 };
 
@@ -137,15 +139,39 @@ uint64_t choose_sub_group(const MachineMemory& machine, int ranks, std::string& 
 void plot(const std::string& path, const Target& target) {
   const bool png = path.ends_with(".png");
   if (!png && !path.ends_with(".svg")) throw CliError("--plot needs a .svg or .png file", 2);
+  // The sweeps' single-ring registered trials, best score per setting, as one data block per
+  // series (sorted along its x axis): by queue depth for the block-size plot, by block size for
+  // the queue-depth plot.
+  std::map<std::pair<uint64_t, uint32_t>, double> score;  // (block KiB, depth) -> GB/s
+  for (const IoTrial& t : target.result.trials) {
+    if (t.phase == "confirm" || t.setting.rings != 1 || !t.setting.fixed_buffers) continue;
+    double& s = score[{t.setting.block_size / 1024, t.setting.queue_depth}];
+    s = std::max(s, t.measured.score() / 1e9);
+  }
+  std::map<uint32_t, std::vector<std::pair<uint64_t, double>>> by_depth;
+  std::map<uint64_t, std::vector<std::pair<uint32_t, double>>> by_block;
+  for (const auto& [key, gb] : score) {
+    by_depth[key.second].emplace_back(key.first, gb);
+    by_block[key.first].emplace_back(key.second, gb);
+  }
   const std::string data = path + ".dat";
+  std::string plot_blocks, plot_depths;
   {
     std::ofstream d(data, std::ios::trunc);
-    d << "# block_kib queue_depth read_gbps write_gbps score_gbps\n";
-    for (const IoTrial& t : target.result.trials) {
-      if (t.phase == "confirm" || t.setting.rings != 1 || !t.setting.fixed_buffers) continue;
-      d << t.setting.block_size / 1024 << " " << t.setting.queue_depth << " "
-        << t.measured.read_bytes_per_s / 1e9 << " " << t.measured.write_bytes_per_s / 1e9 << " "
-        << t.measured.score() / 1e9 << "\n";
+    int index = 0;
+    auto block = [&](const auto& rows, const std::string& title, std::string& plot) {
+      for (const auto& [x, gb] : rows) d << x << " " << gb << "\n";
+      d << "\n\n";
+      plot += fmt::format("{}'{}' index {} using 1:2 with linespoints title '{}'",
+                          plot.empty() ? "plot " : ", ", data, index++, title);
+    };
+    for (auto& [depth, rows] : by_depth) {
+      std::sort(rows.begin(), rows.end());
+      block(rows, fmt::format("depth {}", depth), plot_blocks);
+    }
+    for (auto& [kib, rows] : by_block) {
+      std::sort(rows.begin(), rows.end());
+      block(rows, fmt::format("{} KiB", kib), plot_depths);
     }
     if (!d.flush()) throw CliError("cannot write " + data, 1);
   }
@@ -155,14 +181,12 @@ void plot(const std::string& path, const Target& target) {
     g << (png ? "set terminal pngcairo size 1200,450\n" : "set terminal svg size 1200,450\n")
       << "set output '" << path << "'\n"
       << "set multiplot layout 1,2 title 'zinf tune: " << target.name
-      << " (score: 2 reads : 1 write)'\n"
-      << "set grid\nset key top left\nset ylabel 'GB/s'\n"
-      << "set logscale x 2\nset xlabel 'block size (KiB)'\n"
-      << "plot for [q in '1 2 4 8 16 32 64'] '" << data
-      << "' using ($2==q+0 ? $1 : 1/0):5 with linespoints title 'depth '.q\n"
+      << " (score: 2 reads : 1 write; best of the sweeps)'\n"
+      << "set grid\nset key top left\nset ylabel 'GB/s'\nset logscale x 2\n"
+      << "set xlabel 'block size (KiB)'\n"
+      << plot_blocks << "\n"
       << "set xlabel 'queue depth'\n"
-      << "plot for [b in '128 256 512 1024 2048 4096 8192'] '" << data
-      << "' using ($1==b+0 ? $2 : 1/0):5 with linespoints title b.' KiB'\n"
+      << plot_depths << "\n"
       << "unset multiplot\n";
     if (!g.flush()) throw CliError("cannot write " + script, 1);
   }
@@ -179,6 +203,8 @@ void run(const Args& a) {
   if (a.ranks < 1) throw CliError("--ranks-per-node must be at least 1", 2);
   const uint64_t size = bytes_flag("--size", a.size);
   const uint64_t adam_n = elements_flag("--adam-params", a.adam_params);
+  const uint64_t max_in_flight = bytes_flag("--max-in-flight", a.max_in_flight);
+  if (max_in_flight < (1u << 20)) throw CliError("--max-in-flight must be at least 1M", 2);
   if (adam_n == 0) throw CliError("--adam-params must be at least 1", 2);
   for (const std::string& p : a.paths) {
     io::IoBenchOptions check{.directories = {p}, .size = size};
@@ -221,7 +247,9 @@ void run(const Args& a) {
       return IoMeasurement{.read_bytes_per_s = r.read_back_bytes_per_s,
                            .write_bytes_per_s = r.bytes_per_s};
     };
-    IoSearchOptions opts{.max_rings = std::min<uint32_t>(cores, 4), .budget_seconds = io_share};
+    IoSearchOptions opts{.max_rings = std::min<uint32_t>(cores, 4),
+                         .budget_seconds = io_share,
+                         .max_in_flight_bytes = max_in_flight};
     opts.on_trial = [&](const IoTrial& t) {
       if (tty) std::fprintf(stderr, "\r%80s\r", "");
       if (!a.json) {
@@ -375,6 +403,10 @@ const Registration kReg{
                      "Ranks that will share this machine (sizes sub_group_size)")
           ->capture_default_str();
       sub.add_option("--adam-params", a->adam_params, "Parameters of the CPU Adam measurement")
+          ->capture_default_str();
+      sub.add_option("--max-in-flight", a->max_in_flight,
+                     "Most bytes in flight a setting may keep (block size x depth x rings); the "
+                     "staging piece chosen covers it")
           ->capture_default_str();
       sub.add_flag("--json", a->json, "Print every trial, the Adam rows and the fragment as JSON");
       sub.callback([a] { run(*a); });

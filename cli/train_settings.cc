@@ -2,10 +2,14 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
 #include <string_view>
 
 #include "command.h"
 #include "zinf/core/units.h"
+#include "zinf/optim/lr_schedule.h"
 
 namespace zinf::cli {
 namespace {
@@ -47,6 +51,164 @@ uint64_t budget_flag(const char* flag, const std::string& text) {
   return bytes;
 }
 
+// The "auto" note of the first of `e`'s JSON paths the config gave as "auto", or nullptr.
+const TrainSettings::AutoValue* auto_note(const TrainSettings& s, const t::Entry& e) {
+  std::string_view paths = e.json;
+  while (!paths.empty()) {
+    size_t comma = paths.find(',');
+    std::string_view path = paths.substr(0, comma);
+    if (auto it = s.auto_values.find(path); it != s.auto_values.end()) return &it->second;
+    if (comma == std::string_view::npos) break;
+    paths.remove_prefix(comma + 1);
+    while (!paths.empty() && paths.front() == ' ') paths.remove_prefix(1);
+  }
+  return nullptr;
+}
+
+using SchedType = config::SchedulerConfig::Type;
+
+// --lr-schedule and --warmup-steps onto the scheduler block. A type the flag changes to must
+// accept every parameter the config gives (as DeepSpeed's constructors would).
+void apply_schedule_flags(const TrainFlags& f, config::Config& c) {
+  if (f.lr_schedule) {
+    std::optional<SchedType> t = config::parse_scheduler_type(*f.lr_schedule);
+    if (!t) {
+      throw CliError(fmt::format("--lr-schedule must be none, WarmupLR, WarmupDecayLR, "
+                                 "WarmupCosineLR or OneCycle (DeepSpeed's names), got '{}'",
+                                 *f.lr_schedule),
+                     2);
+    }
+    if (*t != SchedType::kNone && *t != c.scheduler.type) {
+      const auto accepted = config::scheduler_params(*t);
+      for (const std::string& key : c.given_keys) {
+        if (!key.starts_with("scheduler.params.")) continue;
+        std::string_view name = std::string_view(key).substr(17);
+        if (std::find(accepted.begin(), accepted.end(), name) == accepted.end()) {
+          throw CliError(fmt::format("--lr-schedule {}: the config's {} is not a parameter of {}",
+                                     *f.lr_schedule, key, *f.lr_schedule),
+                         2);
+        }
+      }
+    }
+    c.scheduler.type = *t;
+  }
+  if (f.warmup_steps) {
+    if (*f.warmup_steps < 1) throw CliError("--warmup-steps must be >= 1", 2);
+    const auto accepted = config::scheduler_params(c.scheduler.type);
+    if (std::find(accepted.begin(), accepted.end(), "warmup_num_steps") == accepted.end()) {
+      throw CliError(fmt::format("--warmup-steps applies to WarmupLR, WarmupDecayLR and "
+                                 "WarmupCosineLR; the schedule is {} (--lr-schedule or the "
+                                 "config's scheduler.type)",
+                                 config::scheduler_type_name(c.scheduler.type)),
+                     2);
+    }
+    c.scheduler.warmup_num_steps = *f.warmup_steps;
+  }
+}
+
+// DeepSpeed's "auto": each key the config gives as "auto" takes a value from the run, as the
+// Hugging Face integration fills them in (transformers' HfTrainerDeepSpeedConfig), and says where
+// it came from; a key nothing in the run decides keeps its default and says so. Fills
+// `notes` (JSON path -> origin) and sets the values that are not already the run's (the batch
+// sizes, lr, clipping and precision are: "auto" leaves them to zinf train's flags and defaults).
+void resolve_auto(const TrainFlags& f, const RunFacts& run, config::Config& c,
+                  std::map<std::string, TrainSettings::AutoValue, std::less<>>& notes) {
+  const uint64_t h = static_cast<uint64_t>(std::max<int64_t>(0, run.hidden));
+  const std::string hidden_unknown = "its default: the model's hidden size is not known here";
+  for (const std::string& path : c.auto_keys) {
+    std::string from;
+    if (path == "train_micro_batch_size_per_gpu") {
+      from = f.batch ? "--batch" : "zinf train's micro batch; --batch sets it";
+    } else if (path == "gradient_accumulation_steps") {
+      from = f.grad_accum                                 ? "--grad-accum"
+             : config::config_sets(c, "train_batch_size") ? "derived from train_batch_size"
+                                                          : "1: no --grad-accum";
+    } else if (path == "train_batch_size") {
+      from = "micro batch x accumulation steps x world size";
+    } else if (path == "gradient_clipping") {
+      from = f.clip ? "--clip" : "zinf train's clipping; --clip sets it";
+    } else if (path == "optimizer.params.lr") {
+      from = f.lr ? "--lr" : "zinf train's lr; --lr sets it";
+    } else if (path == "optimizer.params.betas" || path == "optimizer.params.eps" ||
+               path == "optimizer.params.weight_decay") {
+      from = "zinf train's value; no flag sets it";
+    } else if (path == "fp16.enabled" || path == "bf16.enabled" || path == "bfloat16.enabled") {
+      from = f.dtype ? "--dtype " + *f.dtype : "fp32: no --dtype";
+    } else if (path == "zero_optimization.reduce_bucket_size") {
+      if (h == 0) {
+        from = hidden_unknown;
+      } else {
+        c.zero.reduce_bucket_size = h * h;
+        from = fmt::format("hidden^2, hidden {}", h);
+      }
+    } else if (path == "zero_optimization.stage3_prefetch_bucket_size" ||
+               path == "zero_optimization.prefetch_bucket_size") {
+      if (f.prefetch_bucket) {
+        from = "--prefetch-bucket";
+      } else if (h == 0) {
+        from = hidden_unknown;
+      } else {
+        c.zero.stage3_prefetch_bucket_size =
+            static_cast<uint64_t>(0.9 * static_cast<double>(h * h));
+        from = fmt::format("0.9 hidden^2, hidden {}", h);
+      }
+    } else if (path == "zero_optimization.stage3_param_persistence_threshold" ||
+               path == "zero_optimization.param_persistence_threshold") {
+      if (h == 0) {
+        from = hidden_unknown;
+      } else {
+        c.zero.stage3_param_persistence_threshold = 10 * h;
+        from = fmt::format("10 hidden, hidden {}", h);
+      }
+    } else if (path == "scheduler.params.warmup_num_steps") {
+      if (f.warmup_steps) {
+        from = "--warmup-steps";
+      } else if (run.steps) {
+        throw CliError(
+            "scheduler.params.warmup_num_steps is \"auto\": give the warm-up with --warmup-steps "
+            "N (or a number in the config)",
+            2);
+      } else {
+        from = "unresolved: zinf train takes it from --warmup-steps";
+      }
+    } else if (path == "scheduler.params.total_num_steps") {
+      if (run.steps) {
+        c.scheduler.total_num_steps = *run.steps;
+        from = "--steps";
+      } else {
+        from = "unresolved: zinf train takes it from --steps";
+      }
+    } else if (path == "scheduler.params.warmup_max_lr") {
+      // The lr as written (0.02, not the float's 0.019999999552965164), as HF passes it.
+      c.scheduler.warmup_max_lr = std::strtod(fmt::format("{}", c.optimizer.lr).c_str(), nullptr);
+      from = "the optimizer's lr";
+    } else if (path == "scheduler.params.warmup_min_lr") {
+      c.scheduler.warmup_min_lr = 0;
+      from = "0, as the Hugging Face integration sets it";
+    } else if (path.starts_with("scheduler.params.")) {
+      if (run.steps) {
+        throw CliError(fmt::format("{} is \"auto\", which nothing in the run decides; give a "
+                                   "number in the config",
+                                   path),
+                       2);
+      }
+      from = "unresolved";
+    } else {
+      from = "its default: nothing in the run decides it";
+    }
+    notes[path] = {.from = std::move(from)};
+  }
+}
+
+// The value at JSON path `path` of `j` as text, or "auto" when `j` does not hold it.
+std::string value_at(const nlohmann::json& j, std::string_view path) {
+  std::string pointer = "/" + std::string(path);
+  std::replace(pointer.begin(), pointer.end(), '.', '/');
+  const nlohmann::json::json_pointer ptr(pointer);
+  if (!j.contains(ptr)) return "auto";
+  return j.at(ptr).dump();
+}
+
 // The value of `v` as the start-up block prints it.
 std::string value_text(const t::Entry& e, const nlohmann::ordered_json& v) {
   if (v.is_string()) {
@@ -86,11 +248,14 @@ std::string_view source_name(Source s) {
       return "config";
     case Source::kFlag:
       return "flag";
+    case Source::kAuto:
+      return "auto";
   }
   return "default";
 }
 
-TrainSettings build_train_settings(const TrainFlags& f, const config::Config* cfg, int world) {
+TrainSettings build_train_settings(const TrainFlags& f, const config::Config* cfg, int world,
+                                   const RunFacts& run) {
   TrainSettings out;
   config::Config& c = out.config;
   c = cfg != nullptr ? *cfg : config::Config{};
@@ -158,6 +323,14 @@ TrainSettings build_train_settings(const TrainFlags& f, const config::Config* cf
   if (f.host_mem) c.zinf.host_mem = budget_flag("--host-mem", *f.host_mem);
   if (f.trace) c.zinf.trace = *f.trace;
   if (f.no_checksum) c.zinf.checksum = false;
+  apply_schedule_flags(f, c);
+  resolve_auto(f, run, c, out.auto_values);
+  // A decaying schedule that --lr-schedule named without its length: the run's.
+  if ((c.scheduler.type == SchedType::kWarmupDecayLR ||
+       c.scheduler.type == SchedType::kWarmupCosineLR) &&
+      !c.scheduler.total_num_steps && run.steps) {
+    c.scheduler.total_num_steps = *run.steps;
+  }
 
   // DeepSpeed's rule for an absent overlap_comm, applied to the stage in the end.
   const bool overlap_rule = !sets(entry(t::kOverlapComm.name));
@@ -178,6 +351,20 @@ TrainSettings build_train_settings(const TrainFlags& f, const config::Config* cf
   if (Status s = config::resolve_batch_sizes(c, world); !s.is_ok()) throw CliError(s.detail(), 2);
   Result<EngineSettings> e = settings_from_config(c);
   if (!e.is_ok()) throw CliError(e.status().detail(), 2);
+  if (run.steps) {  // the schedule zinf train will run: every parameter it needs is known now
+    if (Status s = optim::LrSchedule::create(c.scheduler, c.optimizer.lr).status(); !s.is_ok()) {
+      throw CliError(s.detail(), 2);
+    }
+  }
+  const nlohmann::json effective = config::to_json(c);
+  for (auto& [path, resolved] : out.auto_values) {
+    std::string canonical = path == "bfloat16.enabled" ? "bf16.enabled" : path;
+    if (canonical == "zero_optimization.prefetch_bucket_size" ||
+        canonical == "zero_optimization.param_persistence_threshold") {
+      canonical = "zero_optimization.stage3_" + canonical.substr(18);
+    }
+    resolved.value = value_at(effective, canonical);
+  }
   out.engine = *e;
   out.batch = static_cast<int>(c.train_micro_batch_size_per_gpu);
   out.seed = c.zinf.seed;
@@ -204,12 +391,16 @@ TrainSettings build_train_settings(const TrainFlags& f, const config::Config* cf
       {"--overlap-optimizer", f.overlap_optimizer},
       {"--trace", f.trace.has_value()},
       {"--no-checksum", f.no_checksum},
+      {"--lr-schedule", f.lr_schedule.has_value()},
+      {"--warmup-steps", f.warmup_steps.has_value()},
   };
   for (const t::Entry& e : t::kAll) {
     Source s = Source::kDefault;
     if (auto it = flag_given.find(e.flag);
         !e.flag.empty() && it != flag_given.end() && it->second) {
       s = Source::kFlag;
+    } else if (auto_note(out, e) != nullptr) {
+      s = Source::kAuto;
     } else if (sets(&e)) {
       s = Source::kConfig;
     } else if (e.train) {
@@ -238,6 +429,10 @@ nlohmann::ordered_json effective_settings_json(const TrainSettings& s) {
       j[name] = s.batch;
     } else if (e.name == t::kTrace.name) {
       j[name] = s.trace;
+    } else if (e.name == t::kLrSchedule.name) {
+      j[name] = config::scheduler_type_name(s.config.scheduler.type);
+    } else if (e.name == t::kWarmupSteps.name) {
+      j[name] = s.config.scheduler.warmup_num_steps;
     }
   }
   return j;
@@ -249,6 +444,15 @@ nlohmann::ordered_json settings_log_line(const TrainSettings& s) {
   nlohmann::ordered_json line;
   line["settings"] = effective_settings_json(s);
   line["set_by"] = std::move(set_by);
+  if (!s.auto_values.empty()) {
+    nlohmann::ordered_json autos = nlohmann::ordered_json::object();
+    for (const auto& [path, resolved] : s.auto_values) {
+      autos[path] = fmt::format("{} ({})", resolved.value, resolved.from);
+    }
+    line["auto"] = std::move(autos);
+  }
+  const nlohmann::json effective = config::to_json(s.config);
+  if (effective.contains("scheduler")) line["scheduler"] = effective["scheduler"];
   return line;
 }
 
@@ -259,18 +463,41 @@ std::string settings_block(const TrainSettings& s, size_t width) {
       "settings (unmarked: the table's default; zinf train: its own; docs/configuration.md):\n";
   const std::string indent = "  ";
   std::string line;
+  auto flush = [&] {
+    if (!line.empty()) out += indent + line + "\n";
+    line.clear();
+  };
+  auto add = [&](const std::string& token) {
+    if (!line.empty() && indent.size() + line.size() + 2 + token.size() > width) flush();
+    line += (line.empty() ? "" : "  ") + token;
+  };
   for (const t::Entry& e : t::kAll) {
     std::string token = fmt::format("{}={}", e.name, value_text(e, values[std::string(e.name)]));
     if (auto it = s.sources.find(e.name); it != s.sources.end()) {
-      token += fmt::format(" ({})", source_name(it->second));
+      const TrainSettings::AutoValue* a = auto_note(s, e);
+      token += it->second == Source::kAuto && a != nullptr
+                   ? fmt::format(" (auto: {})", a->from)
+                   : fmt::format(" ({})", source_name(it->second));
     }
-    if (!line.empty() && indent.size() + line.size() + 2 + token.size() > width) {
-      out += indent + line + "\n";
-      line.clear();
-    }
-    line += (line.empty() ? "" : "  ") + token;
+    add(token);
   }
-  if (!line.empty()) out += indent + line + "\n";
+  flush();
+  // The schedule's parameters, and every "auto" with what it resolved to and from what.
+  const nlohmann::json effective = config::to_json(s.config);
+  if (effective.contains("scheduler")) {
+    out += "lr schedule " + effective["scheduler"]["type"].get<std::string>() + ":\n";
+    for (const auto& [key, value] : effective["scheduler"]["params"].items()) {
+      add(fmt::format("{}={}", key, value.dump()));
+    }
+    flush();
+  }
+  if (!s.auto_values.empty()) {
+    out += "\"auto\" in the config, resolved from this run:\n";
+    for (const auto& [path, resolved] : s.auto_values) {
+      add(fmt::format("{}={} ({})", path, resolved.value, resolved.from));
+    }
+    flush();
+  }
   return out;
 }
 

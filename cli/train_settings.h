@@ -40,7 +40,22 @@ struct TrainFlags {
   std::optional<std::string> host_mem;
   bool overlap_optimizer = false;
   std::optional<std::string> trace;
-  bool no_checksum = false;  // --no-checksum: zinf.checksum false
+  bool no_checksum = false;                // --no-checksum: zinf.checksum false
+  std::optional<std::string> lr_schedule;  // --lr-schedule: scheduler.type ("none" drops it)
+  std::optional<int64_t> warmup_steps;     // --warmup-steps: scheduler.params.warmup_num_steps
+};
+
+// What the run knows beyond the flags, for DeepSpeed's "auto" values (resolved as the Hugging Face
+// integration resolves them) and the schedule's length.
+struct RunFacts {
+  // The model's hidden size: reduce_bucket_size "auto" = hidden^2, stage3_prefetch_bucket_size
+  // 0.9 hidden^2, stage3_param_persistence_threshold 10 hidden. 0 = not known: those keys keep
+  // their defaults, and say so.
+  int64_t hidden = 0;
+  // The optimizer steps of the run (--steps): scheduler.params.total_num_steps when "auto" or
+  // when --lr-schedule names a decaying schedule without it. Unset (zinf estimate, which does not
+  // train): the schedule's "auto" values are left unresolved and the schedule is not checked.
+  std::optional<int64_t> steps;
 };
 
 // Where a setting's value came from.
@@ -50,6 +65,7 @@ enum class Source {
   kStageRule,  // DeepSpeed's rule from the stage (overlap_comm: on for stage 3)
   kConfig,     // the --config file
   kFlag,       // a flag
+  kAuto,       // the config's "auto", resolved from the run (TrainSettings::auto_values)
 };
 std::string_view source_name(Source s);
 
@@ -61,22 +77,33 @@ struct TrainSettings {
   std::string trace;      // zinf.trace: Chrome/Perfetto trace file; "" = none
   // By table name; an entry absent here is at the table's default.
   std::map<std::string, Source, std::less<>> sources;
+  // Every key the config gives as "auto", by JSON path: the value it resolved to (JSON text) and
+  // what from ("--lr", "hidden^2, hidden 768", ...).
+  struct AutoValue {
+    std::string value;
+    std::string from;
+  };
+  std::map<std::string, AutoValue, std::less<>> auto_values;
 };
 
 // Builds the settings. `cfg`: the parsed --config file, or nullptr when there is none. `world`:
 // the ranks, for DeepSpeed's batch-size derivation. A bad flag or combination is a CliError
 // (exit code 2) naming the flag or the JSON key.
-TrainSettings build_train_settings(const TrainFlags& flags, const config::Config* cfg, int world);
+TrainSettings build_train_settings(const TrainFlags& flags, const config::Config* cfg, int world,
+                                   const RunFacts& run = {});
 
 // Every tunables::kAll entry by name, with its effective value (settings_json's form).
 nlohmann::ordered_json effective_settings_json(const TrainSettings& s);
 
-// The first line of --log-json: {"settings": {name: value, ...}, "set_by": {name: source, ...}}
-// (set_by lists the settings not at the table's default).
+// The first line of --log-json: {"settings": {name: value, ...}, "set_by": {name: source, ...},
+// "auto": {json path: resolved, ...}, "scheduler": {...}} (set_by lists the settings not at the
+// table's default; "auto" and "scheduler" only when there are any).
 nlohmann::ordered_json settings_log_line(const TrainSettings& s);
 
 // The start-up block: "settings ..." and indented lines of `name=value`, each marked with where
-// it came from unless it is the table's default; lines of at most `width` columns.
+// it came from unless it is the table's default ("(auto: ...)" for the config's "auto"); then the
+// schedule's parameters and every "auto" key with what it resolved to; lines of at most `width`
+// columns.
 std::string settings_block(const TrainSettings& s, size_t width = 100);
 
 }  // namespace zinf::cli

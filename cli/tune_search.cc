@@ -57,19 +57,23 @@ class Search {
   }
 
  private:
-  // Measures `s` unless it was measured already or the budget has no room for it; updates
-  // `best`. Returns whether it was measured (or known).
-  Result<bool> try_setting(const char* phase, const IoSetting& s, IoSetting& best) {
+  enum class Tried { kMeasured, kOverInFlight, kOutOfBudget };
+
+  // Measures `s` unless it was measured already, keeps too much in flight, or the budget has no
+  // room for it; updates `best`.
+  Result<Tried> try_setting(const char* phase, const IoSetting& s, IoSetting& best) {
+    if (s.block_size * s.queue_depth * s.rings > o_.max_in_flight_bytes) {
+      return Tried::kOverInFlight;
+    }
     if (!scores_.contains(s)) {
       if (!fits(sweep_deadline_)) {
         result_.budget_ran_out = true;
-        return false;
+        return Tried::kOutOfBudget;
       }
-      ZINF_ASSIGN_OR_RETURN(IoTrial t, measure(phase, s));
-      (void)t;
+      ZINF_RETURN_IF_ERROR(measure(phase, s).status());
     }
     if (score(s) > score(best) || !scores_.contains(best)) best = s;
-    return true;
+    return Tried::kMeasured;
   }
 
   Result<IoTrial> measure(const char* phase, const IoSetting& s) {
@@ -106,8 +110,9 @@ class Search {
            i += static_cast<size_t>(dir)) {
         IoSetting s = best;
         s.*field = values[i];
-        ZINF_ASSIGN_OR_RETURN(bool measured, try_setting(phase, s, best));
-        if (!measured) return Status::ok();
+        ZINF_ASSIGN_OR_RETURN(Tried tried, try_setting(phase, s, best));
+        if (tried == Tried::kOutOfBudget) return Status::ok();
+        if (tried == Tried::kOverInFlight) break;  // larger only keeps more in flight
         const bool clearly_worse =
             patience == 1 ? score(s) < score(best) : score(s) < o_.prune_below * score(best);
         worse = clearly_worse ? worse + 1 : 0;
@@ -125,8 +130,8 @@ class Search {
       if (j >= o_.block_sizes.size()) continue;  // i - 1 wraps for i == 0
       IoSetting s = best;
       s.block_size = o_.block_sizes[j];
-      ZINF_ASSIGN_OR_RETURN(bool measured, try_setting("block size", s, best));
-      if (!measured) break;
+      ZINF_ASSIGN_OR_RETURN(Tried tried, try_setting("block size", s, best));
+      if (tried == Tried::kOutOfBudget) break;
     }
     return Status::ok();
   }

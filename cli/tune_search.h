@@ -12,7 +12,8 @@
 //  6. confirmation: the best `finalists` settings are measured again in alternating rounds for
 //     the rest of the budget; the chosen one has the best median (one lucky run on a noisy disk
 //     does not win).
-// A setting is never measured twice outside the confirmation. A measurement is started only if
+// Settings over `max_in_flight_bytes` are skipped (a sweep direction ends there). A setting is
+// never measured twice outside the confirmation. A measurement is started only if
 // the time it is expected to take (the longest so far) fits in what is left of the budget; the
 // sweeps keep a quarter of the budget for the confirmation.
 #pragma once
@@ -62,8 +63,12 @@ struct IoSearchOptions {
   uint32_t max_rings = 2;
   size_t finalists = 3;
   double budget_seconds = 120;
-  double prune_below = 0.9;       // a setting scoring under this share of the best is clearly worse
-  std::function<double()> clock;  // seconds; default: steady_clock
+  double prune_below = 0.9;  // a setting scoring under this share of the best is clearly worse
+  // Settings that keep more bytes in flight (block size x queue depth x rings) are not tried:
+  // the runtime keeps at most its staging buffers in flight, so a setting beyond them measures a
+  // speed training never sees (and would ask for that much pinned staging memory).
+  uint64_t max_in_flight_bytes = 64ull << 20;
+  std::function<double()> clock;                 // seconds; default: steady_clock
   std::function<void(const IoTrial&)> on_trial;  // after each measurement (progress)
 };
 

@@ -122,7 +122,8 @@ TEST(Config, EmptyObjectGivesDeepSpeedDefaults) {
   EXPECT_EQ(c.zinf.seed, 0u);
   EXPECT_TRUE(c.zinf.checksum);  // on by default (issue 16)
   EXPECT_EQ(c.zinf.staging_bytes, 2u << 20);
-  EXPECT_TRUE(c.scheduler.is_null());
+  EXPECT_EQ(c.scheduler, SchedulerConfig{});
+  EXPECT_EQ(c.scheduler.type, SchedulerConfig::Type::kNone);
   EXPECT_THAT(c.unknown_keys, IsEmpty());
   EXPECT_THAT(c.auto_keys, IsEmpty());
   EXPECT_THAT(c.ignored_keys, IsEmpty());
@@ -178,13 +179,16 @@ TEST(Config, Zero2CpuOffloadExampleLoads) {
   EXPECT_FALSE(c.zero.offload_param.enabled());
   EXPECT_EQ(c.zero.reduce_bucket_size, 200'000'000u);
   EXPECT_TRUE(c.zero.overlap_comm);
-  EXPECT_EQ(c.scheduler["type"], "WarmupLR");
-  EXPECT_EQ(c.scheduler["params"]["warmup_num_steps"], 500);
+  EXPECT_EQ(c.scheduler.type, SchedulerConfig::Type::kWarmupLR);
+  EXPECT_EQ(c.scheduler.warmup_min_lr, 0.0);
+  EXPECT_EQ(c.scheduler.warmup_max_lr, 3e-5);
+  EXPECT_EQ(c.scheduler.warmup_num_steps, 500);
+  EXPECT_EQ(c.scheduler.warmup_type, SchedulerConfig::WarmupType::kLog);  // DeepSpeed's default
   EXPECT_THAT(c.unknown_keys, IsEmpty());
   EXPECT_THAT(
       c.ignored_keys,
-      ElementsAre("scheduler", "steps_per_print", "wall_clock_breakdown",
-                  "zero_allow_untested_optimizer", "zero_optimization.allgather_bucket_size",
+      ElementsAre("steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer",
+                  "zero_optimization.allgather_bucket_size",
                   "zero_optimization.allgather_partitions",
                   "zero_optimization.contiguous_gradients", "zero_optimization.reduce_scatter",
                   "zero_optimization.round_robin_gradients"));
@@ -258,17 +262,24 @@ TEST(Config, HfTrainerAutoValuesTakeDefaultsAndAreListed) {
   EXPECT_EQ(c.train_micro_batch_size_per_gpu, 1);
   EXPECT_EQ(c.gradient_accumulation_steps, 1);
   EXPECT_EQ(c.gradient_clipping, 0.0f);
-  EXPECT_EQ(c.scheduler["params"]["total_num_steps"], "auto");  // kept raw
+  // The scheduler's "auto" parameters are left unset for the trainer to resolve.
+  EXPECT_EQ(c.scheduler.type, SchedulerConfig::Type::kWarmupDecayLR);
+  EXPECT_FALSE(c.scheduler.total_num_steps.has_value());
+  EXPECT_FALSE(c.scheduler.warmup_max_lr.has_value());
+  EXPECT_EQ(c.scheduler.warmup_num_steps, SchedulerConfig{}.warmup_num_steps);
   EXPECT_THAT(c.unknown_keys, IsEmpty());
   std::vector<std::string> autos = c.auto_keys;
   std::sort(autos.begin(), autos.end());
-  EXPECT_THAT(
-      autos, ElementsAre("bf16.enabled", "fp16.enabled", "gradient_accumulation_steps",
-                         "gradient_clipping", "optimizer.params.betas", "optimizer.params.eps",
-                         "optimizer.params.lr", "optimizer.params.weight_decay", "train_batch_size",
-                         "train_micro_batch_size_per_gpu", "zero_optimization.reduce_bucket_size",
-                         "zero_optimization.stage3_param_persistence_threshold",
-                         "zero_optimization.stage3_prefetch_bucket_size"));
+  EXPECT_THAT(autos,
+              ElementsAre("bf16.enabled", "fp16.enabled", "gradient_accumulation_steps",
+                          "gradient_clipping", "optimizer.params.betas", "optimizer.params.eps",
+                          "optimizer.params.lr", "optimizer.params.weight_decay",
+                          "scheduler.params.total_num_steps", "scheduler.params.warmup_max_lr",
+                          "scheduler.params.warmup_min_lr", "scheduler.params.warmup_num_steps",
+                          "train_batch_size", "train_micro_batch_size_per_gpu",
+                          "zero_optimization.reduce_bucket_size",
+                          "zero_optimization.stage3_param_persistence_threshold",
+                          "zero_optimization.stage3_prefetch_bucket_size"));
   EXPECT_TRUE(validate(c, 4).is_ok());
 }
 
@@ -490,7 +501,7 @@ TEST(Config, NullMeansAbsent) {
                          "overlap_comm": null}, "scheduler": null, "aio": null})");
   EXPECT_FALSE(c.zero.offload_param.enabled());
   EXPECT_TRUE(c.zero.overlap_comm);
-  EXPECT_TRUE(c.scheduler.is_null());
+  EXPECT_EQ(c.scheduler.type, SchedulerConfig::Type::kNone);
 }
 
 // ---- errors ----------------------------------------------------------------------------------
@@ -532,6 +543,25 @@ const BadCase kBadCases[] = {
   {R"({"gradient_clipping": "1.0"})", "gradient_clipping", "expected a number in single-precision range"},
   {R"({"optimizer": {"type": "Adam", "params": {"lr": 1e39}}})", "optimizer.params.lr", "single-precision range"},
   {R"({"scheduler": 5})", "scheduler", "expected an object"},
+  {R"({"scheduler": {"params": {}}})", "scheduler.type", "missing; expected one of the supported schedules: WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle"},
+  {R"({"scheduler": {"type": "CosineAnnealingLR"}})", "scheduler.type", "unsupported schedule \"CosineAnnealingLR\""},
+  {R"({"scheduler": {"type": "warmuplr"}})", "scheduler.type", "unsupported schedule \"warmuplr\""},
+  {R"({"scheduler": {"type": "auto"}})", "scheduler.type", "expected one of the supported schedules"},
+  {R"({"scheduler": {"type": "WarmupLR", "params": {"total_num_steps": 10}}})", "scheduler.params.total_num_steps", "not a parameter of WarmupLR; expected one of: warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type"},
+  {R"({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}})", "scheduler.params.warmup_num_steps", "expected a positive integer, got 0"},
+  {R"({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2.5}}})", "scheduler.params.warmup_num_steps", "expected"},
+  {R"({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cosine"}}})", "scheduler.params.warmup_type", "expected \"log\" or \"linear\", got \"cosine\""},
+  {R"({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": "0.1"}}})", "scheduler.params.warmup_max_lr", "expected a number"},
+  {R"({"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": -1}}})", "scheduler.params.warmup_min_lr", "expected a finite number >= 0, got -1"},
+  {R"({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 5}}})", "scheduler.params.total_num_steps", "missing; WarmupDecayLR requires it"},
+  {R"({"scheduler": {"type": "WarmupCosineLR"}})", "scheduler.params.total_num_steps", "missing; WarmupCosineLR requires it"},
+  {R"({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 0}}})", "scheduler.params.total_num_steps", "expected a positive integer, got 0"},
+  {R"({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 9, "cos_min_ratio": -0.5}}})", "scheduler.params.cos_min_ratio", "expected a finite number >= 0"},
+  {R"({"scheduler": {"type": "OneCycle", "params": {"cycle_max_lr": 0.1}}})", "scheduler.params.cycle_min_lr", "missing; OneCycle requires it"},
+  {R"({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0, "cycle_max_lr": 0.1, "cycle_first_step_size": 0}}})", "scheduler.params.cycle_first_step_size", "expected a finite number > 0, got 0"},
+  {R"({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0, "cycle_max_lr": 0.1, "cycle_momentum": "yes"}}})", "scheduler.params.cycle_momentum", "expected true or false"},
+  {R"({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0, "cycle_max_lr": 0.1, "cycle_max_mom": 1}}})", "scheduler.params.cycle_max_mom", "expected a number in [0, 1)"},
+  {R"({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0, "cycle_max_lr": 0.1, "warmup_num_steps": 3}}})", "scheduler.params.warmup_num_steps", "not a parameter of OneCycle"},
   {R"({"zinf": {"host_mem": "4X"}})", "zinf.host_mem", "expected a byte count"},
   {R"({"zinf": {"trace": 5}})", "zinf.trace", "expected a string"},
   {R"({"zinf": {"seed": -1}})", "zinf.seed", "expected a non-negative integer, got -1"},
@@ -728,7 +758,12 @@ TEST(Config, ToJsonRoundTrips) {
                                             .ratio = 0.3}},
              .aio = {.block_size = 8192, .single_submit = true},
              .zinf = {.device_mem = 1, .trace = "t.json", .seed = ~0ull, .checksum = true},
-             .scheduler = {{"type", "WarmupLR"}}};
+             .scheduler = {.type = SchedulerConfig::Type::kOneCycle,
+                           .cycle_min_lr = 1e-4,
+                           .cycle_max_lr = 0.25,
+                           .cycle_second_step_size = 0,
+                           .cycle_second_stair_count = 3,
+                           .cycle_momentum = false}};
   expect_round_trip(odd);
 }
 
@@ -745,7 +780,7 @@ TEST(Config, LogEffectiveConfigShowsEveryBlock) {
   EXPECT_THAT(text, HasSubstr("config optimizer:"));
   EXPECT_THAT(text, HasSubstr("params.lr=0.001"));
   EXPECT_THAT(text, HasSubstr("config zinf:"));
-  EXPECT_THAT(text, HasSubstr("\"auto\" given its default for: "));
+  EXPECT_THAT(text, HasSubstr("\"auto\" (left to the trainer; until resolved, the default) for: "));
   EXPECT_THAT(text, HasSubstr("zero_optimization.reduce_bucket_size"));
 }
 

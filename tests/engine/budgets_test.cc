@@ -95,6 +95,29 @@ TEST(Budgets, TheLiveBoundIsWhatFitsBesideTheWorkingSet) {
   EXPECT_EQ(live_elements_that_fit(z, DType::kF32, 10 * MiB), 1'000'000u);  // one unit at least
 }
 
+// Small budgets keep fewer reductions in flight instead of failing mid-step: each gradient buffer
+// in flight (with its reduced shard) is one unit's worth; below one unit's working set, -1.
+TEST(Budgets, ReductionsInFlightShrinkWithTheBudget) {
+  const StateSizes z{.largest_unit_elements = 1'000'000,
+                     .persistent_elements = 200'000,
+                     .device_home_bytes = 8 * MiB,
+                     .world = 4};
+  // 1.25 x 4 bytes per element: persistent 1 MB, one unit 5 MB; the floor (no reduction in
+  // flight) is the homed state, the persistent units, the unit gathered and its gradient.
+  EXPECT_EQ(device_minimum_bytes(z, DType::kF32, 0), 8 * MiB + 1'000'000 + 10'000'000);
+  EXPECT_EQ(device_minimum_bytes(z, DType::kF32, 2), 8 * MiB + 1'000'000 + 20'000'000);
+  const uint64_t floor = device_minimum_bytes(z, DType::kF32, 0);
+  EXPECT_EQ(reductions_that_fit(z, DType::kF32, floor - 1, true), -1);
+  EXPECT_EQ(reductions_that_fit(z, DType::kF32, floor, true), 0);
+  EXPECT_EQ(reductions_that_fit(z, DType::kF32, floor + 5'000'000, true), 1);
+  EXPECT_EQ(reductions_that_fit(z, DType::kF32, floor + 10'000'000, true), 2);
+  EXPECT_EQ(reductions_that_fit(z, DType::kF32, 1 * GiB, true), 2);
+  EXPECT_EQ(reductions_that_fit(z, DType::kF32, 1 * GiB, false), 0);  // without overlap_comm
+  // The live bound grows by what fewer reductions leave free.
+  EXPECT_EQ(live_elements_that_fit(z, DType::kF32, 100'000'000, 0),
+            (100'000'000 - 8 * MiB - 10'000'000) / 5);
+}
+
 TEST(Budgets, ExplicitBudgetsAreKept) {
   EngineSettings s;
   s.device_mem = 64 * MiB;

@@ -498,5 +498,81 @@ TEST(Engine, BadSettingsAreClearErrors) {
   EXPECT_FALSE(Engine::create(s, *group[0], testing::mlp_units({}), testing::mlp_init).is_ok());
 }
 
+// The learning rate and betas set between steps are the ones the next step runs with: a run
+// whose settings say one lr and that sets another before each step equals, bit for bit, a run
+// whose settings say the other; lr 0 leaves the parameters as they were; a different lr shows.
+TEST(Engine, SetLrAndSetBetasApplyToTheNextStep) {
+  for (int stage : {0, 3}) {
+    SCOPED_TRACE(fmt::format("stage {}", stage));
+    const int world = 2;
+    // Per step: the lr (and beta1) to set before it, or none.
+    auto run = [&](EngineSettings s, const std::vector<float>& lrs, float beta1) {
+      std::vector<std::vector<std::vector<float>>> after(lrs.size() + 1);
+      Status st = on_ranks(s, world, [&](Engine& e, int rank) {
+        if (rank == 0)
+          after[0] = all_params(e);
+        else
+          all_params(e);
+        for (size_t k = 0; k < lrs.size(); ++k) {
+          if (lrs[k] >= 0) {
+            ASSERT_TRUE(e.set_lr(lrs[k]).is_ok());
+          }
+          if (beta1 >= 0) {
+            ASSERT_TRUE(e.set_betas(beta1, 0.99f).is_ok());
+          }
+          ASSERT_TRUE(constant_grads_step(e, 0.25f * (k + 1), SIZE_MAX, 0).is_ok());
+          auto p = all_params(e);
+          if (rank == 0) after[k + 1] = std::move(p);
+        }
+        if (rank == 0 && !lrs.empty() && lrs.back() >= 0) {
+          EXPECT_EQ(e.settings().adam.lr, lrs.back());
+        }
+      });
+      EXPECT_TRUE(st.is_ok()) << st.to_string();
+      return after;
+    };
+    EngineSettings plain = base(stage);
+    plain.adam.lr = 0.02f;
+    plain.adam.beta1 = 0.8f;
+    plain.adam.beta2 = 0.99f;
+    const auto reference = run(plain, {-1, -1, -1}, -1);
+    EngineSettings other = base(stage);
+    other.adam.lr = 0.5f;
+    const auto set = run(other, {0.02f, 0.02f, 0.02f}, 0.8f);
+    for (size_t k = 0; k < reference.size(); ++k) {
+      EXPECT_TRUE(same_params(reference[k], set[k])) << "after step " << k;
+    }
+    const auto paused = run(plain, {0.02f, 0.0f, 0.02f}, -1);
+    EXPECT_TRUE(same_params(paused[1], paused[2])) << "lr 0: the parameters stay";
+    EXPECT_FALSE(same_params(paused[2], paused[3]));
+    EXPECT_FALSE(same_params(reference[2], paused[2])) << "the comparison sees the lr";
+  }
+}
+
+TEST(Engine, SetLrRefusesBadValuesAndUpdatesAlreadyStarted) {
+  EngineSettings s = base(3);
+  s.overlap_optimizer = true;  // no clipping, fp32: units are updated during the backward pass
+  Status st = on_ranks(s, 1, [&](Engine& e, int) {
+    EXPECT_NE(e.set_lr(-1).message().find("set_lr: expected a finite"), std::string::npos);
+    EXPECT_FALSE(e.set_lr(std::nanf("")).is_ok());
+    EXPECT_FALSE(e.set_lr(std::numeric_limits<float>::infinity()).is_ok());
+    EXPECT_NE(e.set_betas(1.0f, 0.9f).message().find("set_betas: expected"), std::string::npos);
+    EXPECT_EQ(e.settings().adam.lr, 0.01f) << "a refused value changes nothing";
+    ASSERT_TRUE(constant_grads_step(e, 0.5f, SIZE_MAX, 0).is_ok());  // records the order
+    for (size_t u = e.unit_count(); u-- > 0;) {  // the second step's backward pass
+      auto scope = e.gather(u).value();
+      ASSERT_TRUE(scope.grads_from_host(std::vector<float>(scope.layout().numel, 0.5f)).is_ok());
+      ASSERT_TRUE(scope.finish().is_ok());
+    }
+    Status mid = e.set_lr(0.5f);
+    EXPECT_NE(mid.message().find("already started"), std::string::npos);
+    EXPECT_FALSE(e.set_betas(0.5f, 0.5f).is_ok());
+    ASSERT_TRUE(e.step().is_ok());
+    EXPECT_GT(e.last_step().units_updated_early, 0u);
+    EXPECT_TRUE(e.set_lr(0.5f).is_ok()) << "between steps";
+  });
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+}
+
 }  // namespace
 }  // namespace zinf

@@ -341,6 +341,145 @@ TEST(Tunables, BadFlagsAreErrorsNamingTheFlag) {
   EXPECT_THAT(c.status().message(), HasSubstr("zinf.host_mem: expected a positive byte count"));
 }
 
+// ---- the learning-rate schedule and DeepSpeed's "auto"
+// ------------------------------------------------------------------------------------------------
+
+TrainSettings cli_train(const TrainFlags& flags, std::string_view config_text, cli::RunFacts run) {
+  config::Config c = parse(config_text);
+  return build_train_settings(flags, &c, 2, run);
+}
+
+// A Hugging Face style config: every "auto" takes a value from the run, as transformers'
+// HfTrainerDeepSpeedConfig fills them in, and the start-up block and the log line say which.
+TEST(Tunables, AutoValuesAreResolvedFromTheRunAndShown) {
+  const std::string hf = R"({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+      "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+      "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}},
+      "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": "auto",
+          "warmup_max_lr": "auto", "warmup_num_steps": "auto", "total_num_steps": "auto"}},
+      "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
+          "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"},
+      "aio": {"queue_depth": "auto"}})";
+  const TrainSettings s = cli_train({.lr = 0.02, .grad_accum = 3, .batch = 5, .warmup_steps = 7},
+                                    hf, {.hidden = 768, .steps = 120});
+  EXPECT_EQ(s.batch, 5);
+  EXPECT_EQ(s.engine.gradient_accumulation_steps, 3);
+  EXPECT_EQ(s.config.train_batch_size, 5 * 3 * 2);
+  EXPECT_EQ(s.engine.adam.lr, 0.02f);
+  EXPECT_EQ(s.engine.gradient_clipping, *t::kGradientClipping.train);
+  EXPECT_EQ(s.engine.reduce_bucket_elements, 768u * 768u);
+  EXPECT_EQ(s.engine.prefetch_bucket_elements, 530841u);  // int(0.9 * 768^2 = 530841.6)
+  EXPECT_EQ(s.engine.param_persistence_threshold, 7680u);
+  EXPECT_EQ(s.engine.io_queue_depth, t::kIoQueueDepth.value) << "nothing in the run decides it";
+  const config::SchedulerConfig& sc = s.config.scheduler;
+  EXPECT_EQ(sc.type, config::SchedulerConfig::Type::kWarmupDecayLR);
+  EXPECT_EQ(sc.total_num_steps, 120);
+  EXPECT_EQ(sc.warmup_num_steps, 7);
+  EXPECT_EQ(sc.warmup_max_lr, 0.02);
+  EXPECT_EQ(sc.warmup_min_lr, 0.0);
+
+  // Every "auto" is listed with its value and its origin; the table's entries say "auto".
+  EXPECT_EQ(s.auto_values.size(), 14u);
+  EXPECT_EQ(s.auto_values.at("zero_optimization.reduce_bucket_size").value, "589824");
+  EXPECT_EQ(s.auto_values.at("zero_optimization.reduce_bucket_size").from, "hidden^2, hidden 768");
+  EXPECT_EQ(s.auto_values.at("train_batch_size").value, "30");
+  EXPECT_EQ(s.auto_values.at("scheduler.params.total_num_steps").from, "--steps");
+  EXPECT_EQ(s.auto_values.at("scheduler.params.warmup_num_steps").from, "--warmup-steps");
+  EXPECT_EQ(s.auto_values.at("aio.queue_depth").from, "its default: nothing in the run decides it");
+  EXPECT_EQ(s.sources.at("reduce_bucket_elements"), Source::kAuto);
+  EXPECT_EQ(s.sources.at("micro_batch"), Source::kFlag) << "a flag given is named as the flag";
+  EXPECT_EQ(s.sources.at("warmup_num_steps"), Source::kFlag);
+  const std::string block = cli::settings_block(s);
+  EXPECT_THAT(block, HasSubstr("reduce_bucket_elements=589824 (auto: hidden^2, hidden 768)"));
+  EXPECT_THAT(block, HasSubstr("param_persistence_threshold=7680 elements (auto: 10 hidden"));
+  EXPECT_THAT(block, HasSubstr("io_queue_depth=8 (auto: its default: nothing in the run decides"));
+  EXPECT_THAT(block, HasSubstr("lr schedule WarmupDecayLR:\n  total_num_steps=120"));
+  EXPECT_THAT(block, HasSubstr("scheduler.params.warmup_max_lr=0.02 (the optimizer's lr)"));
+  for (size_t start = 0, end; start < block.size(); start = end + 1) {
+    end = block.find('\n', start);
+    EXPECT_LE(end - start, 100u) << block.substr(start, end - start);
+  }
+  const json line = json::parse(cli::settings_log_line(s).dump());
+  EXPECT_EQ(line["auto"]["zero_optimization.stage3_prefetch_bucket_size"],
+            "530841 (0.9 hidden^2, hidden 768)");
+  EXPECT_EQ(line["set_by"]["prefetch_bucket_elements"], "auto");
+  EXPECT_EQ(line["scheduler"]["params"]["total_num_steps"], 120);
+
+  // Without the model's hidden size (zinf estimate), the bucket sizes keep their defaults and
+  // say so; without the run's length the schedule's "auto" is left to zinf train.
+  const TrainSettings unknown = cli_train({}, hf, {});
+  EXPECT_EQ(unknown.engine.reduce_bucket_elements, t::kReduceBucket.value);
+  EXPECT_THAT(unknown.auto_values.at("zero_optimization.reduce_bucket_size").from,
+              HasSubstr("the model's hidden size is not known"));
+  EXPECT_FALSE(unknown.config.scheduler.total_num_steps.has_value());
+
+  // A warm-up left "auto" with no --warmup-steps is an error naming the key and the flag.
+  try {
+    cli_train({}, hf, {.hidden = 768, .steps = 120});
+    ADD_FAILURE() << "no error";
+  } catch (const cli::CliError& e) {
+    EXPECT_THAT(e.what(), HasSubstr("scheduler.params.warmup_num_steps is \"auto\""));
+    EXPECT_THAT(e.what(), HasSubstr("--warmup-steps"));
+  }
+}
+
+TEST(Tunables, ScheduleFlagsSetTheSchedulerBlock) {
+  using Type = config::SchedulerConfig::Type;
+  const TrainSettings plain = cli_run();
+  EXPECT_EQ(plain.config.scheduler.type, Type::kNone);
+  const TrainSettings cosine = cli_train({.lr_schedule = "WarmupCosineLR", .warmup_steps = 10},
+                                         "{}", {.hidden = 32, .steps = 50});
+  EXPECT_EQ(cosine.config.scheduler.type, Type::kWarmupCosineLR);
+  EXPECT_EQ(cosine.config.scheduler.warmup_num_steps, 10);
+  EXPECT_EQ(cosine.config.scheduler.total_num_steps, 50) << "the run's --steps";
+  EXPECT_EQ(cosine.sources.at("lr_schedule"), Source::kFlag);
+  EXPECT_EQ(differences(cli_json(plain), cli_json(cosine)),
+            (std::set<std::string>{"lr_schedule", "warmup_num_steps"}));
+  // The flag overrides the config's type and keeps its parameters when the type accepts them.
+  const TrainSettings decay = cli_train(
+      {.lr_schedule = "WarmupDecayLR"},
+      R"({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 0.1}}})",
+      {.steps = 9});
+  EXPECT_EQ(decay.config.scheduler.type, Type::kWarmupDecayLR);
+  EXPECT_EQ(decay.config.scheduler.warmup_num_steps, 4);
+  EXPECT_EQ(decay.config.scheduler.warmup_max_lr, 0.1);
+  EXPECT_EQ(
+      cli_train({.lr_schedule = "none"}, R"({"scheduler": {"type": "WarmupLR"}})", {.steps = 9})
+          .config.scheduler.type,
+      Type::kNone);
+
+  struct Bad {
+    TrainFlags flags;
+    const char* config;
+    const char* message;
+  };
+  const Bad cases[] = {
+      {{.lr_schedule = "cosine"}, "{}", "--lr-schedule must be none, WarmupLR, WarmupDecayLR"},
+      {{.warmup_steps = 5},
+       "{}",
+       "--warmup-steps applies to WarmupLR, WarmupDecayLR and "
+       "WarmupCosineLR; the schedule is none"},
+      {{.lr_schedule = "WarmupLR", .warmup_steps = 0}, "{}", "--warmup-steps must be >= 1"},
+      {{.lr_schedule = "OneCycle"}, "{}", "scheduler.params.cycle_min_lr: OneCycle requires"},
+      {{.lr_schedule = "OneCycle"},
+       R"({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}}})",
+       "--lr-schedule OneCycle: the config's scheduler.params.warmup_num_steps is not a "
+       "parameter of OneCycle"},
+      {{.warmup_steps = 3},
+       R"({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0, "cycle_max_lr": 1}}})",
+       "the schedule is OneCycle"},
+  };
+  for (const Bad& bad : cases) {
+    try {
+      cli_train(bad.flags, bad.config, {.steps = 10});
+      ADD_FAILURE() << "no error for " << bad.message;
+    } catch (const cli::CliError& e) {
+      EXPECT_THAT(e.what(), HasSubstr(bad.message));
+      EXPECT_EQ(e.code, 2);
+    }
+  }
+}
+
 // The comparisons above would see a default written differently in one place.
 TEST(Tunables, TheComparisonIsNotVacuous) {
   EngineSettings drifted;

@@ -55,6 +55,23 @@ TEST(TuneSearch, FindsThePeakWithoutTryingEveryCombination) {
   EXPECT_NEAR(r->chosen_median_score, disk.at(peak).score(), 1e-6 * disk.at(peak).score());
 }
 
+// Nothing beyond what the runtime's staging keeps in flight is measured, even where the model
+// disk would be faster (its peak, 2 MiB x 16 = 32 MiB, lies beyond a 16 MiB cap).
+TEST(TuneSearch, StaysWithinTheBytesInFlight) {
+  Disk disk;
+  IoSearchOptions o = disk.options(60);
+  o.max_in_flight_bytes = 16 << 20;
+  auto r = search_io(disk.measure(), o);
+  ASSERT_TRUE(r.is_ok());
+  for (const IoTrial& t : r->trials) {
+    EXPECT_LE(t.setting.block_size * t.setting.queue_depth * t.setting.rings, 16u << 20)
+        << describe(t.setting);
+  }
+  EXPECT_LE(r->chosen.block_size * r->chosen.queue_depth, 16u << 20);
+  EXPECT_GE(r->chosen_median_score,
+            0.9 * disk.at({.block_size = 2 << 20, .queue_depth = 8}).score());
+}
+
 TEST(TuneSearch, KeepsItsBudget) {
   Disk disk;
   auto r = search_io(disk.measure(), disk.options(6));

@@ -233,12 +233,14 @@ Status fail_rank(comm::Communicator& comm, Shared& shared, const Status& status)
 }
 
 Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o,
-                 const TextDataset& data, Shared& shared, const StepCallback& on_step);
+                 const TextDataset& data, Shared& shared, const StepCallback& on_step,
+                 const optim::LrSchedule& schedule);
 
 // What the trainer keeps in a checkpoint besides the engine's state: the data position (the
-// batches are a pure function of seed and step, data.h) and the seed. A learning-rate schedule
-// that is a pure function of the step needs nothing more; one with state of its own adds it here
-// and reads it back in resume_from().
+// batches are a pure function of seed and step, data.h) and the seed. The learning-rate schedule
+// is a pure function of the optimizer steps applied (Engine::last_step().step, restored by
+// load_checkpoint), so it needs nothing more; a schedule with state of its own would add it here
+// and read it back in resume_from().
 std::string checkpoint_user_state(const TrainOptions& o, int64_t step) {
   return nlohmann::json{{"trainer_step", step}, {"seed", o.seed}, {"model", o.model_name}}.dump();
 }
@@ -286,7 +288,10 @@ Status run_rank(comm::Communicator& comm, const TrainOptions& o, const TextDatas
   ZINF_ASSIGN_OR_RETURN(auto engine,
                         Engine::create(o.engine, comm, engine_units(o.model), make_init(o.model)));
   if (comm.rank() == 0 && on_start) on_start(engine->settings(), engine->budgets());
-  Status status = catching(o, [&] { return run_steps(*engine, comm, o, data, shared, on_step); });
+  ZINF_ASSIGN_OR_RETURN(optim::LrSchedule schedule,
+                        optim::LrSchedule::create(o.lr_schedule, o.engine.adam.lr));
+  Status status =
+      catching(o, [&] { return run_steps(*engine, comm, o, data, shared, on_step, schedule); });
   // Before the engine goes: its destructor waits for the collectives it has in flight, which the
   // abort ends at once on every rank.
   if (!status.is_ok()) return fail_rank(comm, shared, status);
@@ -294,7 +299,8 @@ Status run_rank(comm::Communicator& comm, const TrainOptions& o, const TextDatas
 }
 
 Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o,
-                 const TextDataset& data, Shared& shared, const StepCallback& on_step) {
+                 const TextDataset& data, Shared& shared, const StepCallback& on_step,
+                 const optim::LrSchedule& schedule) {
   const int rank = comm.rank(), world = comm.world_size();
   const GptConfig& cfg = o.model;
   const int T = o.seq > 0 ? o.seq : cfg.seq;
@@ -310,6 +316,13 @@ Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o
   }
   for (int64_t step = first_step; step < o.steps; ++step) {
     auto t0 = std::chrono::steady_clock::now();
+    // As DeepSpeed: the schedule advances with each applied step (not with skipped ones).
+    const int64_t applied = engine.last_step().step;
+    ZINF_RETURN_IF_ERROR(engine.set_lr(static_cast<float>(schedule.lr_for_step(applied))));
+    if (std::optional<optim::Betas> b = schedule.betas_for_step(applied)) {
+      ZINF_RETURN_IF_ERROR(
+          engine.set_betas(static_cast<float>(b->beta1), static_cast<float>(b->beta2)));
+    }
     double loss_sum = 0;
     for (int m = 0; m < gas; ++m) {
       ZINF_RETURN_IF_ERROR(data.sample_batch(o.seed, static_cast<uint64_t>(step) * gas + m, rank, B,
@@ -363,6 +376,9 @@ Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o
                   .tokens_per_s = static_cast<double>(B) * T * gas * world / seconds,
                   .skipped = engine.last_step().skipped,
                   .grad_norm = engine.last_step().grad_norm,
+                  .lr = engine.settings().adam.lr,
+                  .beta1 = engine.settings().adam.beta1,
+                  .beta2 = engine.settings().adam.beta2,
                   .memory = engine.memory_report(),
                   .comm = engine.comm_report(),
                   .schedule = engine.schedule_report(),
@@ -480,6 +496,7 @@ Status check_checkpoint_options(const TrainOptions& o) {
 
 Status check_train_options(const TrainOptions& o) {
   ZINF_RETURN_IF_ERROR(validate(o.model));
+  ZINF_RETURN_IF_ERROR(optim::LrSchedule::create(o.lr_schedule, o.engine.adam.lr).status());
   if (!o.export_path.empty()) ZINF_RETURN_IF_ERROR(check_output_file("--export", o.export_path));
   if (!o.log_json.empty()) ZINF_RETURN_IF_ERROR(check_output_file("--log-json", o.log_json));
   ZINF_RETURN_IF_ERROR(check_checkpoint_options(o));
@@ -493,17 +510,10 @@ Status check_train_options(const TrainOptions& o) {
     return make_error(ErrorCode::kInvalidArgument,
                       "sequence length {} is longer than the model's context {}", T, o.model.seq);
   }
-  // Budgets large enough for the largest unit being worked on.
+  // The device budget is checked by the engine, which knows the whole working set (state homed
+  // there, persistent units, the unit at work and its gradient); the host budget here.
   const uint64_t wsize = dtype_size(o.engine.dtype);
   const uint64_t unit = largest_unit_numel(o.model);
-  const uint64_t need_device = unit * wsize * (o.engine.stage == 3 ? 3 : 2);
-  if (o.engine.device_mem && o.engine.device_mem < need_device) {
-    return make_error(ErrorCode::kInvalidArgument,
-                      "--device-mem {} is too small: the largest unit ({} parameters) needs at "
-                      "least {} on the device while it is worked on",
-                      format_bytes(static_cast<double>(o.engine.device_mem)), unit,
-                      format_bytes(static_cast<double>(need_device)));
-  }
   const int world = o.mpi ? 1 : o.ranks;
   const uint64_t P = static_cast<uint64_t>(parameter_count(o.model));
   if (o.engine.optimizer_home == Tier::kHost && o.engine.host_mem &&

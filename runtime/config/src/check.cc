@@ -171,6 +171,58 @@ Status check_zinf(const ZinfConfig& z) {
   return Status::ok();
 }
 
+// Every parameter, whichever type uses it: those of other types are at their (valid) defaults.
+Status check_scheduler(const SchedulerConfig& s) {
+  auto finite_at_least = [](std::string_view key, double v, double lo) -> Status {
+    if (std::isfinite(v) && v >= lo) return Status::ok();
+    return invalid("scheduler.params.{}: expected a finite number >= {}, got {}", key, lo, v);
+  };
+  auto positive = [](std::string_view key, double v) -> Status {
+    if (std::isfinite(v) && v > 0) return Status::ok();
+    return invalid("scheduler.params.{}: expected a finite number > 0, got {}", key, v);
+  };
+  auto momentum = [](std::string_view key, double v) -> Status {
+    if (v >= 0 && v < 1) return Status::ok();
+    return invalid("scheduler.params.{}: expected a number in [0, 1) (Adam's beta1), got {}", key,
+                   v);
+  };
+  ZINF_RETURN_IF_ERROR(finite_at_least("warmup_min_lr", s.warmup_min_lr, 0));
+  if (s.warmup_max_lr) ZINF_RETURN_IF_ERROR(finite_at_least("warmup_max_lr", *s.warmup_max_lr, 0));
+  if (s.warmup_num_steps < 1) {
+    return invalid("scheduler.params.warmup_num_steps: expected a positive integer, got {}",
+                   s.warmup_num_steps);
+  }
+  if (s.total_num_steps && *s.total_num_steps < 1) {
+    return invalid("scheduler.params.total_num_steps: expected a positive integer, got {}",
+                   *s.total_num_steps);
+  }
+  ZINF_RETURN_IF_ERROR(finite_at_least("warmup_min_ratio", s.warmup_min_ratio, 0));
+  ZINF_RETURN_IF_ERROR(finite_at_least("cos_min_ratio", s.cos_min_ratio, 0));
+  if (s.cycle_min_lr) ZINF_RETURN_IF_ERROR(finite_at_least("cycle_min_lr", *s.cycle_min_lr, 0));
+  if (s.cycle_max_lr) ZINF_RETURN_IF_ERROR(finite_at_least("cycle_max_lr", *s.cycle_max_lr, 0));
+  ZINF_RETURN_IF_ERROR(finite_at_least("decay_lr_rate", s.decay_lr_rate, 0));
+  ZINF_RETURN_IF_ERROR(positive("cycle_first_step_size", s.cycle_first_step_size));
+  if (s.cycle_second_step_size) {
+    ZINF_RETURN_IF_ERROR(finite_at_least("cycle_second_step_size", *s.cycle_second_step_size, 0));
+  }
+  if (s.cycle_first_stair_count < 0) {
+    return invalid("scheduler.params.cycle_first_stair_count: expected an integer >= 0, got {}",
+                   s.cycle_first_stair_count);
+  }
+  if (s.cycle_second_stair_count && *s.cycle_second_stair_count < 0) {
+    return invalid("scheduler.params.cycle_second_stair_count: expected an integer >= 0, got {}",
+                   *s.cycle_second_stair_count);
+  }
+  ZINF_RETURN_IF_ERROR(finite_at_least("decay_step_size", s.decay_step_size, 0));
+  ZINF_RETURN_IF_ERROR(momentum("cycle_min_mom", s.cycle_min_mom));
+  ZINF_RETURN_IF_ERROR(momentum("cycle_max_mom", s.cycle_max_mom));
+  if (!std::isfinite(s.decay_mom_rate)) {
+    return invalid("scheduler.params.decay_mom_rate: expected a finite number, got {}",
+                   s.decay_mom_rate);
+  }
+  return Status::ok();
+}
+
 }  // namespace
 
 Status check_config(const Config& c) {
@@ -184,10 +236,7 @@ Status check_config(const Config& c) {
   ZINF_RETURN_IF_ERROR(check_zero(c.zero));
   ZINF_RETURN_IF_ERROR(check_aio(c.aio));
   ZINF_RETURN_IF_ERROR(check_zinf(c.zinf));
-  if (!c.scheduler.is_null() && !c.scheduler.is_object()) {
-    return invalid("scheduler: expected an object, got a {}", c.scheduler.type_name());
-  }
-  return Status::ok();
+  return check_scheduler(c.scheduler);
 }
 
 }  // namespace zinf::config::detail

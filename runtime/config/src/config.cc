@@ -46,6 +46,47 @@ std::string_view optimizer_type_name(OptimizerConfig::Type t) {
 
 namespace {
 
+using SchedType = SchedulerConfig::Type;
+
+constexpr std::string_view kWarmupParams[] = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps",
+                                              "warmup_type"};
+constexpr std::string_view kWarmupDecayParams[] = {
+    "total_num_steps", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"};
+constexpr std::string_view kWarmupCosineParams[] = {
+    "total_num_steps", "warmup_min_ratio", "warmup_num_steps", "cos_min_ratio", "warmup_type"};
+constexpr std::string_view kOneCycleParams[] = {"cycle_min_lr",
+                                                "cycle_max_lr",
+                                                "decay_lr_rate",
+                                                "cycle_first_step_size",
+                                                "cycle_second_step_size",
+                                                "cycle_first_stair_count",
+                                                "cycle_second_stair_count",
+                                                "decay_step_size",
+                                                "cycle_momentum",
+                                                "cycle_min_mom",
+                                                "cycle_max_mom",
+                                                "decay_mom_rate"};
+
+}  // namespace
+
+std::span<const std::string_view> scheduler_params(SchedulerConfig::Type t) {
+  switch (t) {
+    case SchedType::kNone:
+      return {};
+    case SchedType::kWarmupLR:
+      return kWarmupParams;
+    case SchedType::kWarmupDecayLR:
+      return kWarmupDecayParams;
+    case SchedType::kWarmupCosineLR:
+      return kWarmupCosineParams;
+    case SchedType::kOneCycle:
+      return kOneCycleParams;
+  }
+  return {};
+}
+
+namespace {
+
 using IgnoredType = IgnoredKey::Type;
 
 constexpr std::string_view kHooks =
@@ -69,8 +110,6 @@ constexpr IgnoredKey kIgnored[] = {
     {"comms_logger", IgnoredType::kObject, kMonitoring},
     {"flops_profiler", IgnoredType::kObject, kMonitoring},
     {"timers", IgnoredType::kObject, kMonitoring},
-    {"scheduler", IgnoredType::kObject,
-     "zinf runs at the constant optimizer.params.lr (the block is kept raw in Config::scheduler)"},
     {"zero_allow_untested_optimizer", IgnoredType::kBool, "zinf has its own Adam everywhere"},
     {"zero_force_ds_cpu_optimizer", IgnoredType::kBool, "zinf has its own Adam everywhere"},
     {"gradient_predivide_factor", IgnoredType::kNumber, kAveraging},
@@ -373,6 +412,109 @@ Status read_optimizer(ObjectReader& r, OptimizerConfig& o) {
   return Status::ok();
 }
 
+// An optional parameter: set only when the document gives a value ("auto" leaves it unset).
+template <typename T>
+Status read_optional(ObjectReader& r, std::string_view key, std::optional<T>& out) {
+  T value{};
+  if constexpr (std::is_same_v<T, double>) {
+    ZINF_RETURN_IF_ERROR(r.read_double(key, value));
+  } else {
+    ZINF_RETURN_IF_ERROR(r.read_int(key, value));
+  }
+  if (r.given(key)) out = value;
+  return Status::ok();
+}
+
+// The "scheduler" block: "type" (required, DeepSpeed's exact name) and "params", of which each
+// type accepts its own (scheduler_params()). Ranges are checked in check.cc.
+Status read_scheduler(ObjectReader& r, SchedulerConfig& s) {
+  std::string supported;
+  for (SchedType t : {SchedType::kWarmupLR, SchedType::kWarmupDecayLR, SchedType::kWarmupCosineLR,
+                      SchedType::kOneCycle}) {
+    supported += fmt::format("{}{}", supported.empty() ? "" : ", ", scheduler_type_name(t));
+  }
+  const std::string what = "one of the supported schedules: " + supported;
+  ZINF_ASSIGN_OR_RETURN(const json* type, r.value("type", Auto::kRefused, what));
+  if (type == nullptr) {
+    return make_error(ErrorCode::kInvalidArgument, "{}: missing; expected {}", r.key_path("type"),
+                      what);
+  }
+  if (!type->is_string()) return detail::type_error(r.key_path("type"), what, *type);
+  std::optional<SchedType> t = parse_scheduler_type(type->get_ref<const std::string&>());
+  if (!t || *t == SchedType::kNone) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "{}: unsupported schedule \"{}\"; expected {} (names as DeepSpeed spells "
+                      "them; LRRangeTest and torch.optim schedules are not supported)",
+                      r.key_path("type"), type->get_ref<const std::string&>(), what);
+  }
+  s.type = *t;
+
+  ZINF_ASSIGN_OR_RETURN(auto params, r.object("params"));
+  if (params) {
+    ObjectReader& p = *params;
+    const std::span<const std::string_view> accepted = scheduler_params(s.type);
+    for (const auto& [key, value] : p.json_object().items()) {
+      if (std::find(accepted.begin(), accepted.end(), key) != accepted.end()) continue;
+      return make_error(ErrorCode::kInvalidArgument,
+                        "{}: not a parameter of {}; expected one of: {}", p.key_path(key),
+                        scheduler_type_name(s.type), fmt::join(accepted, ", "));
+    }
+    ZINF_RETURN_IF_ERROR(p.read_double("warmup_min_lr", s.warmup_min_lr));
+    ZINF_RETURN_IF_ERROR(read_optional(p, "warmup_max_lr", s.warmup_max_lr));
+    ZINF_RETURN_IF_ERROR(p.read_int("warmup_num_steps", s.warmup_num_steps));
+    if (const json* wt = p.find("warmup_type"); wt != nullptr && p.given("warmup_type")) {
+      constexpr std::string_view kWhat = R"("log" or "linear")";
+      if (!wt->is_string()) return detail::type_error(p.key_path("warmup_type"), kWhat, *wt);
+      const std::string& name = wt->get_ref<const std::string&>();
+      if (name == "log") {
+        s.warmup_type = SchedulerConfig::WarmupType::kLog;
+      } else if (name == "linear") {
+        s.warmup_type = SchedulerConfig::WarmupType::kLinear;
+      } else {
+        // DeepSpeed warns and falls back to "log"; zinf refuses rather than guess.
+        return detail::type_error(p.key_path("warmup_type"), kWhat, *wt);
+      }
+    }
+    ZINF_RETURN_IF_ERROR(read_optional(p, "total_num_steps", s.total_num_steps));
+    ZINF_RETURN_IF_ERROR(p.read_double("warmup_min_ratio", s.warmup_min_ratio));
+    ZINF_RETURN_IF_ERROR(p.read_double("cos_min_ratio", s.cos_min_ratio));
+    ZINF_RETURN_IF_ERROR(read_optional(p, "cycle_min_lr", s.cycle_min_lr));
+    ZINF_RETURN_IF_ERROR(read_optional(p, "cycle_max_lr", s.cycle_max_lr));
+    ZINF_RETURN_IF_ERROR(p.read_double("decay_lr_rate", s.decay_lr_rate));
+    ZINF_RETURN_IF_ERROR(p.read_double("cycle_first_step_size", s.cycle_first_step_size));
+    ZINF_RETURN_IF_ERROR(read_optional(p, "cycle_second_step_size", s.cycle_second_step_size));
+    ZINF_RETURN_IF_ERROR(p.read_int("cycle_first_stair_count", s.cycle_first_stair_count));
+    ZINF_RETURN_IF_ERROR(read_optional(p, "cycle_second_stair_count", s.cycle_second_stair_count));
+    ZINF_RETURN_IF_ERROR(p.read_double("decay_step_size", s.decay_step_size));
+    ZINF_RETURN_IF_ERROR(p.read_bool("cycle_momentum", s.cycle_momentum));
+    ZINF_RETURN_IF_ERROR(p.read_double("cycle_min_mom", s.cycle_min_mom));
+    ZINF_RETURN_IF_ERROR(p.read_double("cycle_max_mom", s.cycle_max_mom));
+    ZINF_RETURN_IF_ERROR(p.read_double("decay_mom_rate", s.decay_mom_rate));
+    p.finish();
+  }
+  // Required parameters left out (not "auto", which the trainer resolves).
+  auto require = [&](std::string_view key, bool has) -> Status {
+    const std::string path = fmt::format("{}.params.{}", r.path(), key);
+    if (has || std::find(r.state().auto_keys.begin(), r.state().auto_keys.end(), path) !=
+                   r.state().auto_keys.end()) {
+      return Status::ok();
+    }
+    return make_error(ErrorCode::kInvalidArgument,
+                      "{}: missing; {} requires it (DeepSpeed has no "
+                      "default)",
+                      path, scheduler_type_name(s.type));
+  };
+  if (s.type == SchedType::kWarmupDecayLR || s.type == SchedType::kWarmupCosineLR) {
+    ZINF_RETURN_IF_ERROR(require("total_num_steps", s.total_num_steps.has_value()));
+  }
+  if (s.type == SchedType::kOneCycle) {
+    ZINF_RETURN_IF_ERROR(require("cycle_min_lr", s.cycle_min_lr.has_value()));
+    ZINF_RETURN_IF_ERROR(require("cycle_max_lr", s.cycle_max_lr.has_value()));
+  }
+  r.finish();
+  return Status::ok();
+}
+
 Status read_fp16(ObjectReader& r, Fp16Config& f) {
   ZINF_RETURN_IF_ERROR(r.read_bool("enabled", f.enabled));
   ZINF_RETURN_IF_ERROR(r.read_float("loss_scale", f.loss_scale));
@@ -461,10 +603,8 @@ Status read_top(ObjectReader& top, Config& c) {
   ZINF_RETURN_IF_ERROR(top.read_float("gradient_clipping", c.gradient_clipping));
   ZINF_RETURN_IF_ERROR(read_block(top, "optimizer",
                                   [&](ObjectReader& r) { return read_optimizer(r, c.optimizer); }));
-  if (const json* scheduler = top.find("scheduler"); scheduler != nullptr) {
-    if (!scheduler->is_object()) return detail::type_error("scheduler", "an object", *scheduler);
-    c.scheduler = *scheduler;
-  }
+  ZINF_RETURN_IF_ERROR(read_block(top, "scheduler",
+                                  [&](ObjectReader& r) { return read_scheduler(r, c.scheduler); }));
   ZINF_RETURN_IF_ERROR(
       read_block(top, "fp16", [&](ObjectReader& r) { return read_fp16(r, c.fp16); }));
 

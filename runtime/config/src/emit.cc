@@ -44,6 +44,38 @@ json offload_json(const OffloadConfig& o, bool is_param) {
   return j;
 }
 
+// The type's own parameters; a required one not resolved yet is written "auto" (as it was read).
+json scheduler_json(const SchedulerConfig& s) {
+  const json auto_value = "auto";
+  json all = {
+      {"warmup_min_lr", s.warmup_min_lr},
+      {"warmup_num_steps", s.warmup_num_steps},
+      {"warmup_type", s.warmup_type == SchedulerConfig::WarmupType::kLog ? "log" : "linear"},
+      {"total_num_steps", s.total_num_steps ? json(*s.total_num_steps) : auto_value},
+      {"warmup_min_ratio", s.warmup_min_ratio},
+      {"cos_min_ratio", s.cos_min_ratio},
+      {"cycle_min_lr", s.cycle_min_lr ? json(*s.cycle_min_lr) : auto_value},
+      {"cycle_max_lr", s.cycle_max_lr ? json(*s.cycle_max_lr) : auto_value},
+      {"decay_lr_rate", s.decay_lr_rate},
+      {"cycle_first_step_size", s.cycle_first_step_size},
+      {"cycle_first_stair_count", s.cycle_first_stair_count},
+      {"decay_step_size", s.decay_step_size},
+      {"cycle_momentum", s.cycle_momentum},
+      {"cycle_min_mom", s.cycle_min_mom},
+      {"cycle_max_mom", s.cycle_max_mom},
+      {"decay_mom_rate", s.decay_mom_rate}};
+  // Optional without a requirement: written only when set (absent means DeepSpeed's default).
+  if (s.warmup_max_lr) all["warmup_max_lr"] = *s.warmup_max_lr;
+  if (s.cycle_second_step_size) all["cycle_second_step_size"] = *s.cycle_second_step_size;
+  if (s.cycle_second_stair_count) all["cycle_second_stair_count"] = *s.cycle_second_stair_count;
+  json params = json::object();
+  for (std::string_view key : scheduler_params(s.type)) {
+    const std::string k(key);
+    if (all.contains(k)) params[k] = all[k];
+  }
+  return {{"type", scheduler_type_name(s.type)}, {"params", params}};
+}
+
 // "a.b=v" for every leaf under `j`, in key order.
 void flatten(const json& j, const std::string& prefix, std::vector<std::string>& out) {
   if (j.is_object() && !j.empty()) {
@@ -106,7 +138,8 @@ json to_json(const Config& c) {
               {"intra_op_parallelism", a.intra_op_parallelism},
               {"single_submit", a.single_submit}};
 
-  if (!c.scheduler.is_null()) j["scheduler"] = c.scheduler;
+  if (c.scheduler.type != SchedulerConfig::Type::kNone)
+    j["scheduler"] = scheduler_json(c.scheduler);
 
   const ZinfConfig& zc = c.zinf;
   j["zinf"] = {{"trace", zc.trace},
@@ -127,7 +160,7 @@ void log_effective_config(const Config& c) {
   json j = to_json(c);
   std::vector<std::string> top{fmt::format("working_dtype={}", dtype_name(c.working_dtype()))};
   for (const auto& [key, value] : j.items()) {
-    if (value.is_object() && key != "scheduler") continue;
+    if (value.is_object()) continue;
     top.push_back(fmt::format("{}={}", key, value.dump()));
   }
   if (c.train_micro_batch_size_per_gpu == 0 || c.gradient_accumulation_steps == 0) {
@@ -135,13 +168,14 @@ void log_effective_config(const Config& c) {
   }
   log::info("config: {}", fmt::join(top, " "));
   for (const auto& [key, value] : j.items()) {
-    if (!value.is_object() || key == "scheduler") continue;
+    if (!value.is_object()) continue;
     std::vector<std::string> leaves;
     flatten(value, "", leaves);
     log::info("config {}: {}", key, fmt::join(leaves, " "));
   }
   if (!c.auto_keys.empty()) {
-    log::info("config: \"auto\" given its default for: {}", fmt::join(c.auto_keys, ", "));
+    log::info("config: \"auto\" (left to the trainer; until resolved, the default) for: {}",
+              fmt::join(c.auto_keys, ", "));
   }
 }
 

@@ -42,6 +42,8 @@ class ObjectReader {
   ObjectReader(const nlohmann::json& object, std::string path, ParseState& state);
 
   const std::string& path() const { return path_; }
+  const nlohmann::json& json_object() const { return *object_; }
+  const ParseState& state() const { return *state_; }
   std::string key_path(std::string_view key) const { return join_path(path_, key); }
 
   // The value of `key`, or nullptr when absent or null. Marks the key as known, and as given

@@ -76,13 +76,29 @@ double with_shard(const StateSizes& z) { return 1.0 + 1.0 / std::max(z.world, 1)
 
 }  // namespace
 
-uint64_t device_working_bytes(const StateSizes& z, DType dtype) {
+uint64_t device_working_bytes(const StateSizes& z, DType dtype, int reductions) {
+  const auto units = static_cast<uint64_t>(2 + std::clamp(reductions, 0, 2));
   return static_cast<uint64_t>(
-      with_shard(z) * static_cast<double>(4 * z.largest_unit_elements * dtype_size(dtype)));
+      with_shard(z) * static_cast<double>(units * z.largest_unit_elements * dtype_size(dtype)));
 }
 
-uint64_t live_elements_that_fit(const StateSizes& z, DType dtype, uint64_t device_bytes) {
-  const uint64_t used = z.device_home_bytes + device_working_bytes(z, dtype);
+uint64_t device_minimum_bytes(const StateSizes& z, DType dtype, int reductions) {
+  const auto persistent = static_cast<uint64_t>(
+      with_shard(z) * static_cast<double>(z.persistent_elements * dtype_size(dtype)));
+  return z.device_home_bytes + persistent + device_working_bytes(z, dtype, reductions);
+}
+
+int reductions_that_fit(const StateSizes& z, DType dtype, uint64_t device_bytes,
+                        bool overlap_comm) {
+  for (int r = overlap_comm ? 2 : 0; r >= 0; --r) {
+    if (device_minimum_bytes(z, dtype, r) <= device_bytes) return r;
+  }
+  return -1;
+}
+
+uint64_t live_elements_that_fit(const StateSizes& z, DType dtype, uint64_t device_bytes,
+                                int reductions) {
+  const uint64_t used = z.device_home_bytes + device_working_bytes(z, dtype, reductions);
   const uint64_t room = device_bytes > used ? device_bytes - used : 0;
   const auto fit = static_cast<uint64_t>(static_cast<double>(room) /
                                          (with_shard(z) * static_cast<double>(dtype_size(dtype))));

@@ -64,6 +64,23 @@ class Builder {
     }
     e.s.device_mem = e.budgets.device_bytes;
     e.s.host_mem = e.budgets.host_bytes;
+    // The reductions a step keeps in flight follow from the agreed budget (the same on every
+    // rank); a budget that cannot hold one unit's working set is refused here, before anything
+    // is allocated, rather than failing mid-step.
+    e.max_reductions_in_flight = reductions_that_fit(z, s.dtype, e.s.device_mem, s.overlap_comm);
+    if (e.max_reductions_in_flight < 0) {
+      const uint64_t need = device_minimum_bytes(z, s.dtype, 0);
+      return make_error(
+          ErrorCode::kInvalidArgument,
+          "device budget {} is too small: this model and placement need at least {} per rank on "
+          "the device ({} of state homed there, {} persistent parameters, and the largest unit "
+          "of {} parameters gathered with its gradient)",
+          format_bytes(static_cast<double>(e.s.device_mem)),
+          format_bytes(static_cast<double>(need)),
+          format_bytes(static_cast<double>(z.device_home_bytes)),
+          format_bytes(static_cast<double>(z.persistent_elements * dtype_size(s.dtype))),
+          z.largest_unit_elements);
+    }
     return Status::ok();
   }
 
@@ -132,8 +149,9 @@ class Builder {
     e.sched = std::make_unique<sched::Scheduler>(
         sched::SchedulerOptions{
             .prefetch_elements = s.prefetch_bucket_elements,
-            .max_live_elements = std::min(s.max_live_elements,
-                                          live_elements_that_fit(e.sizes, s.dtype, s.device_mem)),
+            .max_live_elements = std::min(
+                s.max_live_elements,
+                live_elements_that_fit(e.sizes, s.dtype, s.device_mem, e.max_reductions_in_flight)),
             .max_reuse_distance = s.max_reuse_distance},
         unit_elements);
 

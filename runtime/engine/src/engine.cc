@@ -382,6 +382,40 @@ Status Engine::step() {
   return st;
 }
 
+namespace {
+Status refuse_mid_step(std::string_view what) {
+  return make_error(ErrorCode::kInvalidArgument,
+                    "{}: an optimizer update of this step already started during the backward "
+                    "pass (overlap_optimizer); set it between step() and the next step's first "
+                    "gather",
+                    what);
+}
+}  // namespace
+
+Status Engine::set_lr(float lr) {
+  if (!(std::isfinite(lr) && lr >= 0)) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "set_lr: expected a finite learning rate >= 0, got {}", lr);
+  }
+  if (impl_->optimizer.early_updates_started()) return refuse_mid_step("set_lr");
+  impl_->e.s.adam.lr = lr;
+  settings_.adam.lr = lr;
+  return Status::ok();
+}
+
+Status Engine::set_betas(float beta1, float beta2) {
+  if (!(beta1 >= 0 && beta1 < 1 && beta2 >= 0 && beta2 < 1)) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "set_betas: expected two numbers in [0, 1), got [{}, {}]", beta1, beta2);
+  }
+  if (impl_->optimizer.early_updates_started()) return refuse_mid_step("set_betas");
+  impl_->e.s.adam.beta1 = beta1;
+  impl_->e.s.adam.beta2 = beta2;
+  settings_.adam.beta1 = beta1;
+  settings_.adam.beta2 = beta2;
+  return Status::ok();
+}
+
 float Engine::loss_scale() const { return impl_->scaler.scale(); }
 
 Device& Engine::device() const { return *impl_->e.device; }

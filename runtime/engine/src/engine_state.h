@@ -88,9 +88,12 @@ struct EngineState {
   bool mixed = false;  // working dtype is not fp32: a separate fp32 master exists
 
   Ledger ledger;
-  Budgets budgets;                   // how device_mem and host_mem were chosen
-  StateSizes sizes;                  // what the budgets were chosen from
-  uint64_t staging_total = 0;        // the store's staging buffers, taken from the host budget
+  Budgets budgets;             // how device_mem and host_mem were chosen
+  StateSizes sizes;            // what the budgets were chosen from
+  uint64_t staging_total = 0;  // the store's staging buffers, taken from the host budget
+  // Gradient reductions left in flight across scopes (overlap_comm: 2, fewer when the device
+  // budget holds fewer gradient buffers; budgets.h reductions_that_fit).
+  int max_reductions_in_flight = 2;
   uint64_t largest_param_bytes = 0;  // this rank's largest parameter tensor
   std::unique_ptr<io::IoEngine> io;
   std::unique_ptr<io::SwapSpace> swap;

@@ -52,8 +52,9 @@ Status GradReducer::issue(size_t u, DeviceBuffer grads) {
     }
   }
   pending_.push_back(std::move(p));
-  if (!e_.s.overlap_comm) return drain();
-  while (pending_.size() > 2) ZINF_RETURN_IF_ERROR(finish_front());
+  const auto in_flight = static_cast<size_t>(std::max(e_.max_reductions_in_flight, 0));
+  if (in_flight == 0) return drain();
+  while (pending_.size() > in_flight) ZINF_RETURN_IF_ERROR(finish_front());
   return Status::ok();
 }
 

@@ -50,6 +50,9 @@ class OptimizerPipeline {
   // Waits for the updates started early; the first failure. How many units were started.
   Status wait_early();
   size_t take_units_updated_early();
+  // Whether an update of the step being made has been handed to the worker (its hyperparameters
+  // are then fixed until step()).
+  bool early_updates_started() const { return updated_early_ > 0; }
 
   // Orders the walk by when each group's gradients become final in the recorded trace.
   void plan_walk();

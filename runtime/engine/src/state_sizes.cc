@@ -44,6 +44,9 @@ StateSizes measure_state(const EngineSettings& s, const StagePolicy& policy,
     const zero::ShardLayout& l = layouts[u];
     z.largest_unit_elements = std::max(z.largest_unit_elements, l.numel_padded);
     z.total_unit_elements += l.numel_padded;
+    if (policy.sharded_params && l.numel <= s.param_persistence_threshold) {
+      z.persistent_elements += l.numel_padded;
+    }
     const uint64_t params = policy.param_elements(l) * wsize;
     z.largest_param_bytes = std::max(z.largest_param_bytes, params);
     home(s.param_home, params);

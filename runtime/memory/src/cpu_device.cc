@@ -11,25 +11,12 @@
 #include <thread>
 #include <vector>
 
+#include "event_state.h"
 #include "zinf/core/log.h"
 #include "zinf/core/units.h"
 #include "zinf/memory/device.h"
 
 namespace zinf {
-
-struct Event::State {
-  mutable std::mutex mu;
-  mutable std::condition_variable cv;
-  bool done = false;
-  Status status;
-
-  void complete(Status s) {
-    std::lock_guard lock(mu);
-    status = std::move(s);
-    done = true;
-    cv.notify_all();
-  }
-};
 
 Event::Event() : state_(std::make_shared<State>()) { state_->done = true; }
 
@@ -419,12 +406,15 @@ std::string_view device_kind_name(DeviceKind kind) {
       return "cpu";
     case DeviceKind::kCpuStrict:
       return "cpu-strict";
+    case DeviceKind::kCuda:
+      return "cuda";
   }
   return "?";
 }
 
 std::optional<DeviceKind> parse_device_kind(std::string_view name) {
-  for (DeviceKind k : {DeviceKind::kAuto, DeviceKind::kCpu, DeviceKind::kCpuStrict}) {
+  for (DeviceKind k :
+       {DeviceKind::kAuto, DeviceKind::kCpu, DeviceKind::kCpuStrict, DeviceKind::kCuda}) {
     if (name == device_kind_name(k)) return k;
   }
   return std::nullopt;
@@ -437,10 +427,18 @@ Result<DeviceKind> resolve_device_kind(DeviceKind kind) {
   auto parsed = parse_device_kind(env);
   if (!parsed || *parsed == DeviceKind::kAuto) {
     return make_error(ErrorCode::kInvalidArgument,
-                      "ZINF_DEVICE must be cpu or cpu-strict, got '{}'", env);
+                      "ZINF_DEVICE must be cpu, cpu-strict or cuda, got '{}'", env);
   }
   return *parsed;
 }
+
+#ifndef ZINF_HAVE_CUDA
+Result<std::unique_ptr<Device>> make_cuda_device(const DeviceOptions&) {
+  return make_error(ErrorCode::kUnavailable,
+                    "device cuda: this build of zinf has no CUDA (configure with nvcc on the path "
+                    "and ZINF_CUDA=ON)");
+}
+#endif
 
 std::unique_ptr<Device> make_cpu_device(const CpuDeviceOptions& options) {
   return std::make_unique<CpuDevice>(options);
@@ -454,6 +452,8 @@ Result<std::unique_ptr<Device>> make_device(DeviceKind kind, const DeviceOptions
                               .ledger = options.ledger,
                               .strict = kind == DeviceKind::kCpuStrict,
                               .threads = options.threads});
+    case DeviceKind::kCuda:
+      return make_cuda_device(options);
     case DeviceKind::kAuto:
       break;
   }

@@ -13,6 +13,7 @@
 #include "zinf/core/status.h"
 #include "zinf/engine/engine.h"
 #include "zinf/gpt/config.h"
+#include "zinf/optim/lr_schedule.h"
 
 namespace zinf::gpt {
 
@@ -29,7 +30,10 @@ struct TrainOptions {
   // Bound on every wait for a peer (ZINF_COMM_TIMEOUT, read by the CLI). A rank that fails stops
   // its peers at once (Communicator::abort); this bounds the rest (a rank that hangs).
   std::chrono::milliseconds comm_timeout = comm::kDefaultTimeout;
-  EngineSettings engine;    // stage, dtype, optimizer, offload, budgets
+  EngineSettings engine;  // stage, dtype, optimizer, offload, budgets
+  // The learning-rate schedule (DeepSpeed's, zinf/optim/lr_schedule.h) over engine.adam.lr; each
+  // step runs at its value for the applied steps so far. Type kNone: engine.adam.lr throughout.
+  config::SchedulerConfig lr_schedule;
   std::string log_json;     // one JSON object per step
   std::string export_path;  // consolidated fp32 weights (.safetensors) at the end
   // Checkpoints (docs/checkpoints.md). With save_dir, a checkpoint every save_every steps (0 =
@@ -56,6 +60,8 @@ struct StepLog {
   double tokens_per_s = 0;
   bool skipped = false;
   double grad_norm = 0;
+  float lr = 0;                    // the learning rate the step ran with (the schedule's value)
+  float beta1 = 0, beta2 = 0;      // Adam's betas the step ran with (OneCycle cycles beta1)
   MemoryReport memory;             // rank 0
   CommReport comm;                 // rank 0
   ScheduleReport schedule;         // rank 0

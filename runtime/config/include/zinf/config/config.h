@@ -142,6 +142,78 @@ struct OptimizerConfig {
 
 std::string_view optimizer_type_name(OptimizerConfig::Type t);
 
+// The "scheduler" block: DeepSpeed's learning-rate schedules (deepspeed/runtime/lr_schedules.py),
+// with DeepSpeed's type names (matched exactly, as DeepSpeed looks them up), parameter names and
+// defaults. zinf/optim/lr_schedule.h computes them; docs/configuration.md shows the formulas.
+// Each type accepts only its own parameters (DeepSpeed passes them to the class's constructor, so
+// another type's parameter is an error there too). A parameter left out takes DeepSpeed's default;
+// those without one (std::nullopt below) are required by the types that use them, except that
+// "auto" leaves them to the trainer (`zinf train` resolves them from the run) and a schedule built
+// with one still missing is an error naming the key.
+struct SchedulerConfig {
+  // kNone: no "scheduler" block; the optimizer runs at optimizer.params.lr throughout.
+  enum class Type { kNone, kWarmupLR, kWarmupDecayLR, kWarmupCosineLR, kOneCycle };
+  enum class WarmupType { kLog, kLinear };
+
+  Type type = Type::kNone;  // tunables::kLrSchedule (checked below)
+  // WarmupLR, WarmupDecayLR: lr from warmup_min_lr to warmup_max_lr over the warm-up.
+  double warmup_min_lr = 0.0;
+  // WarmupLR: absent = optimizer.params.lr; WarmupDecayLR: absent = 0.001 (DeepSpeed's defaults).
+  std::optional<double> warmup_max_lr;
+  // WarmupLR, WarmupDecayLR, WarmupCosineLR: steps of warm-up (> 0; DeepSpeed uses max(2, n)).
+  int64_t warmup_num_steps = tunables::kWarmupSteps.value;
+  WarmupType warmup_type = WarmupType::kLog;  // "log" | "linear"
+  std::optional<int64_t> total_num_steps;     // WarmupDecayLR, WarmupCosineLR: required, >= 1
+  // WarmupCosineLR: ratios of optimizer.params.lr.
+  double warmup_min_ratio = 0.0;
+  double cos_min_ratio = 0.0001;
+  // OneCycle (cycle_min_lr and cycle_max_lr are required).
+  std::optional<double> cycle_min_lr;
+  std::optional<double> cycle_max_lr;
+  double decay_lr_rate = 0.0;
+  double cycle_first_step_size = 2000;              // > 0
+  std::optional<double> cycle_second_step_size;     // >= 0; absent = cycle_first_step_size
+  int64_t cycle_first_stair_count = 0;              // >= 0; 0 = no staircase
+  std::optional<int64_t> cycle_second_stair_count;  // absent = cycle_first_stair_count
+  double decay_step_size = 0;                       // >= 0; 0 = no decay after the cycle
+  // Momentum cycling sets Adam's betas to (momentum, 0.99), as DeepSpeed does (its beta2 is 0.99
+  // while cycling, whatever optimizer.params.betas says).
+  bool cycle_momentum = true;
+  double cycle_min_mom = 0.8;
+  double cycle_max_mom = 0.9;
+  double decay_mom_rate = 0.0;
+
+  bool operator==(const SchedulerConfig&) const = default;
+};
+
+// DeepSpeed's names: "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle"; "none" for kNone.
+constexpr std::string_view scheduler_type_name(SchedulerConfig::Type t) {
+  switch (t) {
+    case SchedulerConfig::Type::kNone:
+      return "none";
+    case SchedulerConfig::Type::kWarmupLR:
+      return "WarmupLR";
+    case SchedulerConfig::Type::kWarmupDecayLR:
+      return "WarmupDecayLR";
+    case SchedulerConfig::Type::kWarmupCosineLR:
+      return "WarmupCosineLR";
+    case SchedulerConfig::Type::kOneCycle:
+      return "OneCycle";
+  }
+  return "none";
+}
+// Exact names (as DeepSpeed); "none" too (the CLI's --lr-schedule none).
+constexpr std::optional<SchedulerConfig::Type> parse_scheduler_type(std::string_view name) {
+  using T = SchedulerConfig::Type;
+  for (T t : {T::kNone, T::kWarmupLR, T::kWarmupDecayLR, T::kWarmupCosineLR, T::kOneCycle}) {
+    if (name == scheduler_type_name(t)) return t;
+  }
+  return std::nullopt;
+}
+static_assert(scheduler_type_name(SchedulerConfig{}.type) == tunables::kLrSchedule.value);
+// The parameters (DeepSpeed's names) a type accepts.
+std::span<const std::string_view> scheduler_params(SchedulerConfig::Type t);
+
 // The "fp16" block: fp16 working precision with (by default dynamic) loss scaling.
 struct Fp16Config {
   bool enabled = tunables::kDtype.value == DType::kF16;
@@ -198,13 +270,13 @@ struct Config {
   ZeroConfig zero;
   AioConfig aio;
   ZinfConfig zinf;
-  // The raw "scheduler" block (null when absent); not interpreted: zinf runs at the constant
-  // optimizer.params.lr, and a config that has the block is warned about (ignored_keys).
-  nlohmann::json scheduler;
+  SchedulerConfig scheduler;  // the "scheduler" block; type kNone when absent
 
   // Filled by parse_config, not part of the effective configuration (to_json leaves them out):
   std::vector<std::string> unknown_keys;  // JSON paths of keys zinf does not know, sorted
-  std::vector<std::string> auto_keys;     // JSON paths given as "auto", left at their default
+  // JSON paths given as "auto": left at their default (a schedule parameter without one: unset)
+  // for the trainer to resolve from the run (`zinf train` does: docs/configuration.md, "auto").
+  std::vector<std::string> auto_keys;
   // JSON paths of the accepted-but-ignored keys the config sets (accepted_but_ignored_keys()),
   // sorted; named in one warning.
   std::vector<std::string> ignored_keys;

@@ -125,8 +125,27 @@ inline constexpr Tunable<float> kLr{
     .value = 1e-3f,
     .json = "optimizer.params.lr",
     .flag = "--lr",
-    .doc = "learning rate (constant: the scheduler block has no effect yet)",
+    .doc = "learning rate; a schedule (lr_schedule) varies it from step to step",
     .train = 3e-3f,  // the GPT example learns within its few hundred steps
+};
+inline constexpr Tunable<std::string_view> kLrSchedule{
+    .name = "lr_schedule",
+    .value = "none",
+    .reader = Reader::kTrain,
+    .json = "scheduler.type",
+    .flag = "--lr-schedule",
+    .doc =
+        "DeepSpeed's learning-rate schedule: none, WarmupLR, WarmupDecayLR, WarmupCosineLR, "
+        "OneCycle (parameters in scheduler.params)",
+};
+inline constexpr Tunable<int64_t> kWarmupSteps{
+    .name = "warmup_num_steps",
+    .value = 1000,  // DeepSpeed's (WarmupLR, WarmupDecayLR, WarmupCosineLR)
+    .unit = Unit::kSteps,
+    .reader = Reader::kTrain,
+    .json = "scheduler.params.warmup_num_steps",
+    .flag = "--warmup-steps",
+    .doc = "steps of learning-rate warm-up (the Warmup* schedules)",
 };
 inline constexpr Tunable<float> kBeta1{
     .name = "adam.beta1",
@@ -503,6 +522,8 @@ inline constexpr std::array kAll = {
     detail::entry(kGradientClipping),
     detail::entry(kOptimizerType),
     detail::entry(kLr),
+    detail::entry(kLrSchedule),
+    detail::entry(kWarmupSteps),
     detail::entry(kBeta1),
     detail::entry(kBeta2),
     detail::entry(kEps),

@@ -51,10 +51,12 @@ int ranks_on_this_machine(bool local_backend, int world_size);
 struct StateSizes {
   uint64_t largest_unit_elements = 0;  // numel_padded of the largest unit
   uint64_t total_unit_elements = 0;    // sum of numel_padded over units
-  uint64_t device_home_bytes = 0;      // state homed on the device (parameters, optimizer)
-  uint64_t host_home_bytes = 0;        // state homed in host memory
-  uint64_t nvme_home_bytes = 0;        // state homed on NVMe
-  uint64_t staging_bytes = 0;          // the store's staging buffers (from the host budget)
+  // Stage 3: units at or below stage3_param_persistence_threshold stay gathered all run.
+  uint64_t persistent_elements = 0;
+  uint64_t device_home_bytes = 0;  // state homed on the device (parameters, optimizer)
+  uint64_t host_home_bytes = 0;    // state homed in host memory
+  uint64_t nvme_home_bytes = 0;    // state homed on NVMe
+  uint64_t staging_bytes = 0;      // the store's staging buffers (from the host budget)
   // This rank's largest parameter tensor (a stage-3 shard, or a whole unit): the CPU optimizer
   // holds two of them in host memory (one updated, the next read ahead).
   uint64_t largest_param_bytes = 0;
@@ -74,13 +76,24 @@ struct Budgets {
 inline constexpr uint64_t kHostWorkingFloor = 32ull << 20;
 
 // Device bytes of the unit being worked on beyond the homed state: its gathered parameters, its
-// gradient buffer and two reductions in flight, each with a shard-sized companion (the shard
-// being gathered, the reduced shard).
-uint64_t device_working_bytes(const StateSizes& sizes, DType dtype);
+// gradient buffer and `reductions` earlier gradient buffers still being reduced (overlap_comm
+// keeps up to two in flight), each with a shard-sized companion (the shard being gathered, the
+// reduced shard).
+uint64_t device_working_bytes(const StateSizes& sizes, DType dtype, int reductions = 2);
+// The least device budget a step runs in with `reductions` in flight: the homed state, the
+// persistent units (gathered all run) and the working set.
+uint64_t device_minimum_bytes(const StateSizes& sizes, DType dtype, int reductions);
+// The most reductions (2, 1 or 0) a step may keep in flight in `device_bytes` (0 without
+// overlap_comm); -1 when even one unit's working set does not fit. The same on every rank (it
+// depends on the agreed budget and the sizes), so the ranks reduce in step.
+int reductions_that_fit(const StateSizes& sizes, DType dtype, uint64_t device_bytes,
+                        bool overlap_comm);
 // The most parameter elements the scheduler may keep gathered (in use, fetched ahead, kept) in a
-// device budget: what is left beside the homed state and the working set, each gathered element
-// with its share of the shard in flight; never less than the largest unit.
-uint64_t live_elements_that_fit(const StateSizes& sizes, DType dtype, uint64_t device_bytes);
+// device budget: what is left beside the homed state and the working set with `reductions` in
+// flight, each gathered element with its share of the shard in flight; never less than the
+// largest unit.
+uint64_t live_elements_that_fit(const StateSizes& sizes, DType dtype, uint64_t device_bytes,
+                                int reductions = 2);
 
 // The budgets for `settings` (explicit ones are kept as given).
 Budgets choose_budgets(const EngineSettings& settings, const StateSizes& sizes,

@@ -298,6 +298,15 @@ class Engine {
   // Applies the optimizer to the gradients accumulated since the last step.
   Status step();
 
+  // The optimizer's hyperparameters for the next step() (a learning-rate schedule sets them
+  // between steps: zinf/optim/lr_schedule.h). Every rank must set the same values, as for every
+  // other setting. Call them after step() and before the next step's first gather: with
+  // overlap_optimizer a unit's update may start during the backward pass, and once one has
+  // started in a step they are refused (an error) until step(). settings().adam shows the values
+  // in force. set_lr: a finite number >= 0; set_betas: two numbers in [0, 1).
+  Status set_lr(float lr);
+  Status set_betas(float beta1, float beta2);
+
   // Multiply the loss by this before backward (fp16 loss scaling; 1 otherwise).
   float loss_scale() const;
   const StepInfo& last_step() const { return last_step_; }

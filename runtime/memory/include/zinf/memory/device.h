@@ -210,9 +210,10 @@ inline constexpr DType element_dtype = ElementDType<std::remove_const_t<T>>::val
 
 // Which device the engine computes on.
 enum class DeviceKind : uint8_t {
-  kAuto,       // $ZINF_DEVICE when set (cpu, cpu-strict), else cpu
+  kAuto,       // $ZINF_DEVICE when set (cpu, cpu-strict, cuda), else cpu
   kCpu,        // CpuDevice
   kCpuStrict,  // CpuDevice with strict = true: every host access to device memory faults
+  kCuda,       // CudaDevice on GPU 0 (a build with CUDA and a visible GPU; else an error)
 };
 std::string_view device_kind_name(DeviceKind kind);
 std::optional<DeviceKind> parse_device_kind(std::string_view name);
@@ -238,5 +239,10 @@ struct DeviceOptions {
   int threads = 0;  // CPU kinds: threads of the operations' kernels; 0 = all
 };
 Result<std::unique_ptr<Device>> make_device(DeviceKind kind, const DeviceOptions& options);
+// The CUDA device (GPU 0): memory from cudaMallocManaged under the budget (host-side
+// communicators reach it through comm windows), streams and events on cudaStream_t, operations
+// as the kernels of zinf/kernels/cuda_ops.h. kUnavailable, naming why, in a build without CUDA
+// or where no GPU is visible.
+Result<std::unique_ptr<Device>> make_cuda_device(const DeviceOptions& options);
 
 }  // namespace zinf

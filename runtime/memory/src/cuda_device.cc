@@ -1,0 +1,304 @@
+// CudaDevice: the device contract (zinf/memory/device.h) on GPU 0.
+//
+//  - memory: cudaMallocManaged under the budget, accounted like the CPU device's; managed memory
+//    is what lets the host-side communicators (local, MPI) reach it through comm windows while the
+//    kernels use it in place (NCCL uses it as device memory);
+//  - streams: non-blocking cudaStream_t; host work runs as cudaLaunchHostFunc; an Event recorded
+//    on a CUDA stream carries a cudaEvent_t, so CUDA streams wait for each other on the device and
+//    only events of CPU streams are waited for in a host function;
+//  - operations: the kernels of zinf/kernels/cuda_ops.h, which compute what the CPU backend
+//    computes bit for bit (tests/gpu); results the contract puts in host memory (the non-finite
+//    flag, the block sums) go through a per-stream managed scratch area and are copied out by a
+//    host function in stream order.
+#include "zinf/kernels/cuda_device.h"
+
+#include <cuda_runtime.h>
+
+#include <mutex>
+
+#include "event_state.h"
+#include "zinf/core/log.h"
+#include "zinf/core/units.h"
+#include "zinf/kernels/cpu_adam.h"
+#include "zinf/kernels/cuda_ops.h"
+#include "zinf/memory/device.h"
+
+namespace zinf {
+namespace {
+
+Status cuda_status(const char* what, cudaError_t err) {
+  return make_error(ErrorCode::kIo, "{}: {}", what, cudaGetErrorString(err));
+}
+
+class CudaStream final : public Stream {
+ public:
+  explicit CudaStream(std::string name) : name_(std::move(name)) {
+    if (cudaError_t err = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
+        err != cudaSuccess) {
+      fail(cuda_status("cudaStreamCreate", err));
+      stream_ = nullptr;
+    }
+  }
+  ~CudaStream() override {
+    if (stream_ == nullptr) return;
+    (void)cudaStreamSynchronize(stream_);
+    if (scratch_ != nullptr) (void)cudaFree(scratch_);
+    (void)cudaStreamDestroy(stream_);
+  }
+
+  const std::string& name() const override { return name_; }
+  cudaStream_t handle() const { return stream_; }
+
+  void enqueue(std::function<Status()> work) override {
+    auto* item = new Item{this, std::move(work)};
+    if (cudaError_t err = cudaLaunchHostFunc(stream_, &run_item, item); err != cudaSuccess) {
+      delete item;
+      fail(cuda_status("cudaLaunchHostFunc", err));
+    }
+  }
+
+  Event record() override {
+    auto state = std::make_shared<Event::State>();
+    cudaEvent_t ev = nullptr;
+    if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) == cudaSuccess) {
+      if (cudaEventRecord(ev, stream_) == cudaSuccess) {
+        state->native = std::shared_ptr<void>(
+            ev, [](void* e) { (void)cudaEventDestroy(static_cast<cudaEvent_t>(e)); });
+      } else {
+        (void)cudaEventDestroy(ev);
+      }
+    }
+    enqueue([this, state] {
+      state->complete(sticky());
+      return Status::ok();
+    });
+    return Event(state);
+  }
+
+  void wait_for(const Event& event) override {
+    if (const auto& native = event.state()->native) {
+      const cudaError_t err = cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(native.get()));
+      if (err != cudaSuccess) fail(cuda_status("cudaStreamWaitEvent", err));
+      return;
+    }
+    enqueue([event] { return event.wait(); });
+  }
+
+  Status synchronize() override {
+    const cudaError_t err = cudaStreamSynchronize(stream_);
+    std::lock_guard lock(mu_);
+    Status s = std::exchange(sticky_, Status::ok());
+    if (err != cudaSuccess && s.is_ok()) s = cuda_status("cudaStreamSynchronize", err);
+    return s;
+  }
+
+  // The first failure since the last synchronize().
+  void fail(Status s) {
+    std::lock_guard lock(mu_);
+    if (sticky_.is_ok()) sticky_ = std::move(s);
+  }
+  void fail_if(const std::string& launch_error) {
+    if (!launch_error.empty()) fail(make_error(ErrorCode::kIo, "{}", launch_error));
+  }
+
+  // Managed scratch of at least `bytes`, reused by this stream's operations in stream order
+  // (the host function copying a result out runs before the next kernel writes it).
+  void* scratch(uint64_t bytes) {
+    if (bytes > scratch_bytes_) {
+      (void)cudaStreamSynchronize(stream_);  // nothing in flight still uses the old area
+      if (scratch_ != nullptr) (void)cudaFree(scratch_);
+      scratch_ = nullptr;
+      scratch_bytes_ = 0;
+      if (cudaError_t err = cudaMallocManaged(&scratch_, bytes); err != cudaSuccess) {
+        fail(cuda_status("cudaMallocManaged (stream scratch)", err));
+        return nullptr;
+      }
+      scratch_bytes_ = bytes;
+    }
+    return scratch_;
+  }
+
+ private:
+  struct Item {
+    CudaStream* stream;
+    std::function<Status()> work;
+  };
+  static void CUDART_CB run_item(void* p) {
+    std::unique_ptr<Item> item(static_cast<Item*>(p));
+    Status s = item->work();
+    if (!s.is_ok()) item->stream->fail(std::move(s));
+  }
+  Status sticky() const {
+    std::lock_guard lock(mu_);
+    return sticky_;
+  }
+
+  std::string name_;
+  cudaStream_t stream_ = nullptr;
+  mutable std::mutex mu_;
+  Status sticky_;
+  void* scratch_ = nullptr;
+  uint64_t scratch_bytes_ = 0;
+};
+
+CudaStream& as_cuda(Stream& s) { return static_cast<CudaStream&>(s); }
+
+class CudaDevice final : public Device {
+ public:
+  explicit CudaDevice(const DeviceOptions& options) : options_(options) {}
+
+  std::string name() const override { return "cuda:0"; }
+
+  Result<DeviceBuffer> allocate(uint64_t bytes, MemoryCategory category) override {
+    if (bytes == 0) return DeviceBuffer();
+    const uint64_t padded = align_up(bytes, 4096);
+    {
+      std::lock_guard lock(mu_);
+      if (in_use_ + padded > options_.budget_bytes) {
+        return make_error(ErrorCode::kOutOfMemory,
+                          "device budget exhausted: {} requested for {} while {} of the {} "
+                          "budget is in use",
+                          format_bytes(static_cast<double>(padded)), category_name(category),
+                          format_bytes(static_cast<double>(in_use_)),
+                          format_bytes(static_cast<double>(options_.budget_bytes)));
+      }
+      in_use_ += padded;
+    }
+    void* p = nullptr;
+    if (cudaError_t err = cudaMallocManaged(&p, padded); err != cudaSuccess) {
+      std::lock_guard lock(mu_);
+      in_use_ -= padded;
+      return make_error(ErrorCode::kOutOfMemory, "cudaMallocManaged of {} for {}: {}",
+                        format_bytes(static_cast<double>(padded)), category_name(category),
+                        cudaGetErrorString(err));
+    }
+    if (options_.ledger) options_.ledger->add(Tier::kDevice, category, padded);
+    return DeviceBuffer(this, p, padded, category);
+  }
+
+  std::unique_ptr<Stream> create_stream(std::string name) override {
+    return std::make_unique<CudaStream>(std::move(name));
+  }
+
+  void copy_async(void* dst, const void* src, uint64_t bytes, Stream& stream) override {
+    CudaStream& s = as_cuda(stream);
+    if (bytes == 0) return;
+    if (cudaError_t err = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s.handle());
+        err != cudaSuccess) {
+      s.fail(cuda_status("cudaMemcpyAsync", err));
+    }
+  }
+
+  void fill(TensorRef dst, float value, Stream& stream) override {
+    CudaStream& s = as_cuda(stream);
+    s.fail_if(kernels::cuda::fill(s.handle(), dst.data, dst.dtype, dst.numel, value));
+  }
+
+  void accumulate(TensorRef acc, ConstTensorRef src, bool overwrite, Stream& stream) override {
+    CudaStream& s = as_cuda(stream);
+    if (acc.dtype != DType::kF32 || acc.numel != src.numel) {
+      s.fail(make_error(ErrorCode::kInvalidArgument,
+                        "accumulate: the accumulator must be fp32 and as long as the source"));
+      return;
+    }
+    s.fail_if(kernels::cuda::accumulate(s.handle(), static_cast<float*>(acc.data), src.data,
+                                        src.dtype, acc.numel, overwrite));
+  }
+
+  void cast(TensorRef dst, ConstTensorRef src, Stream& stream) override {
+    CudaStream& s = as_cuda(stream);
+    if (dst.numel != src.numel) {
+      s.fail(make_error(ErrorCode::kInvalidArgument, "cast: {} elements into {}", src.numel,
+                        dst.numel));
+      return;
+    }
+    s.fail_if(kernels::cuda::cast(s.handle(), dst.data, dst.dtype, src.data, src.dtype, dst.numel));
+  }
+
+  void scale(TensorRef x, float factor, bool* found_nonfinite, Stream& stream) override {
+    CudaStream& s = as_cuda(stream);
+    int* flag = nullptr;
+    if (found_nonfinite != nullptr) {
+      flag = static_cast<int*>(s.scratch(sizeof(int)));
+      if (flag == nullptr) return;
+      s.fail_if(kernels::cuda::fill(s.handle(), flag, DType::kF32, 1, 0.0f));  // 0.0f bits: 0
+    }
+    s.fail_if(kernels::cuda::scale(s.handle(), x.data, x.dtype, x.numel, factor, flag));
+    if (flag != nullptr) {
+      s.enqueue([flag, found_nonfinite] {
+        *found_nonfinite = *flag != 0;
+        return Status::ok();
+      });
+    }
+  }
+
+  void sum_squares_blocks(ConstTensorRef x, float factor, double* block_sums,
+                          Stream& stream) override {
+    CudaStream& s = as_cuda(stream);
+    const uint64_t blocks = kernels::sum_squares_block_count(x.numel);
+    if (blocks == 0) return;
+    auto* sums = static_cast<double*>(s.scratch(blocks * sizeof(double)));
+    if (sums == nullptr) return;
+    s.fail_if(
+        kernels::cuda::sum_squares_blocks(s.handle(), x.data, x.dtype, x.numel, factor, sums));
+    s.enqueue([sums, block_sums, blocks] {
+      std::copy(sums, sums + blocks, block_sums);
+      return Status::ok();
+    });
+  }
+
+  void adam(const kernels::AdamConfig& config, const kernels::AdamStepArgs& args,
+            const kernels::AdamTensors& t, Stream& stream) override {
+    CudaStream& s = as_cuda(stream);
+    s.fail_if(kernels::cuda::adam(s.handle(), kernels::adam_coeffs(config, args), t.param, t.m, t.v,
+                                  t.grad, t.grad_dtype, t.param_copy, t.copy_dtype, t.n, nullptr));
+  }
+
+  // Managed memory: a host-side communicator reads and writes it in place (the engine has
+  // ordered the window after the operations that produce the data).
+  CommWindow comm_window(const void*, uint64_t) override { return CommWindow(); }
+
+  uint64_t budget_bytes() const override { return options_.budget_bytes; }
+  uint64_t bytes_in_use() const override {
+    std::lock_guard lock(mu_);
+    return in_use_;
+  }
+  Ledger* ledger() const override { return options_.ledger; }
+
+ protected:
+  void release(void* data, uint64_t bytes, MemoryCategory category) override {
+    (void)cudaFree(data);  // (waits for the device: freed memory may still be in use by a kernel)
+    if (options_.ledger) options_.ledger->sub(Tier::kDevice, category, bytes);
+    std::lock_guard lock(mu_);
+    in_use_ -= bytes;
+  }
+
+ private:
+  DeviceOptions options_;
+  mutable std::mutex mu_;
+  uint64_t in_use_ = 0;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Device>> make_cuda_device(const DeviceOptions& options) {
+  if (kernels::cuda::device_count() == 0) {
+    return make_error(
+        ErrorCode::kUnavailable,
+        "device cuda: no CUDA device is visible (no GPU, or no driver); run on the CPU "
+        "device instead (ZINF_DEVICE=cpu)");
+  }
+  if (cudaError_t err = cudaSetDevice(0); err != cudaSuccess) {
+    return cuda_status("device cuda: cudaSetDevice(0)", err);
+  }
+  int concurrent = 0;
+  (void)cudaDeviceGetAttribute(&concurrent, cudaDevAttrConcurrentManagedAccess, 0);
+  if (!concurrent) {
+    log::warn_once("cuda:managed",
+                   "device cuda: this GPU has no concurrent managed access; host-side "
+                   "communicators touching device memory will serialise with the GPU");
+  }
+  return std::unique_ptr<Device>(std::make_unique<CudaDevice>(options));
+}
+
+}  // namespace zinf
