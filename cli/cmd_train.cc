@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "command.h"
+#include "shutdown.h"
 #include "train_settings.h"
 #include "zinf/comm/factory.h"
 #include "zinf/core/trace.h"
@@ -32,6 +33,8 @@ struct Args {
   int ranks = 1;
   std::string config;
   std::string log_json, export_path;
+  std::string save_dir, resume;
+  int save_every = 0, keep = 0;
   int sample = 0;
   bool quiet = false;
   bool describe = false;
@@ -144,6 +147,10 @@ void run(const Args& a, const CLI::App& sub) {
   o.sample_bytes = a.sample;
   o.export_path = a.export_path;
   o.log_json = a.log_json;
+  o.save_dir = a.save_dir;
+  o.save_every = a.save_every;
+  o.keep = a.keep;
+  o.resume = a.resume;
   // A DeepSpeed JSON config sets what it names; flags given on the command line win; what
   // neither sets is the table's default (or zinf train's own).
   std::optional<config::Config> cfg;
@@ -164,6 +171,11 @@ void run(const Args& a, const CLI::App& sub) {
   for (const std::string& p : e.nvme_paths) {
     std::error_code ec;
     std::filesystem::create_directories(p, ec);
+  }
+  if (!trace_path.empty()) {
+    if (Status s = gpt::check_output_file("--trace", trace_path); !s.is_ok()) {
+      throw CliError(s.detail(), 2);
+    }
   }
   if (Status s = gpt::check_train_options(o); !s.is_ok()) throw CliError(s.detail(), 2);
 
@@ -252,6 +264,10 @@ void run(const Args& a, const CLI::App& sub) {
       log->flush();
     }
   };
+  // SIGINT / SIGTERM: stop after the current step (saving with --save-dir), exit 128 + signal.
+  // Before any thread starts (the trace writer's included): they inherit the blocked mask.
+  SignalWatcher signals(e.nvme_paths);
+  o.stop = &signals.received();
   if (!trace_path.empty()) trace::start(trace_path);
   auto report = gpt::train(o, on_step, on_start);
   if (tty) std::fprintf(stderr, "\n");
@@ -261,8 +277,32 @@ void run(const Args& a, const CLI::App& sub) {
     if (!a.quiet)
       std::printf("trace written to %s (open it in ui.perfetto.dev)\n", trace_path.c_str());
   }
-  if (!report.is_ok()) throw CliError(report.status().detail());
+  if (!report.is_ok()) {
+    const int sig = signals.received().load();
+    if (sig != 0 && report.status().code() == ErrorCode::kCancelled) {
+      throw CliError(report.status().detail(), 128 + sig);
+    }
+    throw CliError(report.status().detail());
+  }
+  if (const int sig = signals.received().load(); sig != 0) {
+    throw CliError("stopped by a signal after the last step", 128 + sig);
+  }
   if (a.quiet) return;
+  auto rate = [](uint64_t bytes, double seconds) {
+    return format_rate(seconds > 0 ? static_cast<double>(bytes) / seconds : 0);
+  };
+  if (!report->resumed_path.empty()) {
+    std::printf("resumed from %s at step %lld (loaded %s in %.2f s: %s)\n",
+                report->resumed_path.c_str(), static_cast<long long>(report->resumed_from),
+                format_bytes(static_cast<double>(report->load_bytes)).c_str(), report->load_seconds,
+                rate(report->load_bytes, report->load_seconds).c_str());
+  }
+  if (!report->last_checkpoint.empty()) {
+    std::printf("last checkpoint: %s (%d saved: %s in %.2f s, %s)\n",
+                report->last_checkpoint.c_str(), report->saves,
+                format_bytes(static_cast<double>(report->save_bytes)).c_str(), report->save_seconds,
+                rate(report->save_bytes, report->save_seconds).c_str());
+  }
   std::printf("loss %.4f -> %.4f (chance: %.4f)\n", report->initial_loss, report->final_loss,
               std::log(256.0));
   print_memory_table(*report, e.dtype);
@@ -367,6 +407,17 @@ const Registration kTrain{
                      "Write the effective settings ({\"settings\": ...}), the budgets chosen "
                      "({\"budgets\": ...}) and then one JSON object per step to this file");
       sub.add_option("--export", a->export_path, "Write the final fp32 weights (.safetensors)");
+      sub.add_option("--save-dir", a->save_dir,
+                     "Save checkpoints here (step-<N>/, and `latest`): every --save-every steps "
+                     "and after the last step (docs/checkpoints.md)");
+      sub.add_option("--save-every", a->save_every,
+                     "Steps between checkpoints (0 = only after the last step)")
+          ->capture_default_str();
+      sub.add_option("--keep", a->keep, "Keep the newest K checkpoints (0 = all)")
+          ->capture_default_str();
+      sub.add_option("--resume", a->resume,
+                     "Resume from a checkpoint: its directory, a --save-dir root, or `latest` "
+                     "(the newest under --save-dir); --steps stays the total");
       sub.add_option("--sample", a->sample, "Generate this many bytes of text at the end");
       sub.add_flag("--quiet", a->quiet, "Print nothing but errors");
       sub.add_flag("--describe", a->describe,

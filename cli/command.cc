@@ -64,6 +64,7 @@ void build_commands(CLI::App& app) {
       {"bench",
        "Measure a component against its yardstick (io vs fio, store vs io, adam vs memory "
        "bandwidth, comm as nccl-tests)"},
+      {"checkpoint", "Inspect or export a checkpoint of zinf train --save-dir"},
   };
   std::map<std::string, CLI::App*> groups;
   for (auto& e : registry()) {

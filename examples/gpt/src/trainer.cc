@@ -9,12 +9,15 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <map>
 #include <mutex>
 #include <new>
 #include <nlohmann/json.hpp>
 #include <thread>
 
+#include "zinf/ckpt/directory.h"
+#include "zinf/ckpt/manifest.h"
 #include "zinf/comm/local.h"
 #include "zinf/comm/mpi.h"
 #include "zinf/core/units.h"
@@ -234,6 +237,53 @@ Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o
                  const TextDataset& data, Shared& shared, const StepCallback& on_step,
                  const optim::LrSchedule& schedule);
 
+// What the trainer keeps in a checkpoint besides the engine's state: the data position (the
+// batches are a pure function of seed and step, data.h) and the seed. The learning-rate schedule
+// is a pure function of the optimizer steps applied (Engine::last_step().step, restored by
+// load_checkpoint), so it needs nothing more; a schedule with state of its own would add it here
+// and read it back in resume_from().
+std::string checkpoint_user_state(const TrainOptions& o, int64_t step) {
+  return nlohmann::json{{"trainer_step", step}, {"seed", o.seed}, {"model", o.model_name}}.dump();
+}
+
+// The checkpoint directory `--resume` names.
+std::string resume_path(const TrainOptions& o) {
+  return o.resume == "latest" ? o.save_dir : o.resume;
+}
+
+// Loads the checkpoint into the engine: the step the run continues from.
+Result<int64_t> resume_from(Engine& engine, const TrainOptions& o, Shared& shared) {
+  const auto t0 = std::chrono::steady_clock::now();
+  ZINF_ASSIGN_OR_RETURN(LoadedCheckpoint loaded, engine.load_checkpoint(resume_path(o)));
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  int64_t step = 0;
+  uint64_t seed = 0;
+  try {
+    const nlohmann::json j = nlohmann::json::parse(loaded.user_state);
+    step = j.at("trainer_step").get<int64_t>();
+    seed = j.at("seed").get<uint64_t>();
+  } catch (const std::exception& ex) {
+    return make_error(ErrorCode::kCorrupt, "{}: the trainer's state: {}", loaded.path, ex.what());
+  }
+  if (seed != o.seed) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "{} was trained with --seed {}; resuming with --seed {} would draw other "
+                      "batches (give --seed {})",
+                      loaded.path, seed, o.seed, seed);
+  }
+  if (engine.rank() == 0) {
+    std::lock_guard lock(shared.mu);
+    shared.report.resumed_from = step;
+    shared.report.resumed_path = loaded.path;
+    shared.report.load_seconds = seconds;
+    if (auto m = ckpt::read_manifest(loaded.path); m.is_ok()) {
+      shared.report.load_bytes = m->total_bytes();
+    }
+  }
+  return step;
+}
+
 Status run_rank(comm::Communicator& comm, const TrainOptions& o, const TextDataset& data,
                 Shared& shared, const StepCallback& on_step, const StartCallback& on_start) {
   ZINF_ASSIGN_OR_RETURN(auto engine,
@@ -261,7 +311,11 @@ Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o
   HostBuffers host_buffers;  // the host copies of the units the model works on
   std::vector<int32_t> tokens(static_cast<size_t>(B) * T), targets(tokens.size());
   StoreStats last_store = engine.store_stats();
-  for (int step = 0; step < o.steps; ++step) {
+  int64_t first_step = 0;
+  if (!o.resume.empty()) {
+    ZINF_ASSIGN_OR_RETURN(first_step, resume_from(engine, o, shared));
+  }
+  for (int64_t step = first_step; step < o.steps; ++step) {
     auto t0 = std::chrono::steady_clock::now();
     // As DeepSpeed: the schedule advances with each applied step (not with skipped ones).
     const int64_t applied = engine.last_step().step;
@@ -287,15 +341,38 @@ Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o
       ZINF_RETURN_IF_ERROR(scopes.close_all());
       loss_sum += loss;
     }
-    float local = static_cast<float>(loss_sum / gas), mean = local;
+    // The mean loss; with a stop flag, also whether any rank saw it (every rank then stops after
+    // this same step).
+    float local[2] = {static_cast<float>(loss_sum / gas), 0}, mean[2] = {local[0], 0};
+    if (o.stop != nullptr && o.stop->load() != 0) local[1] = 1;
     ZINF_RETURN_IF_ERROR(
-        comm.all_reduce(&local, &mean, 1, DType::kF32, comm::ReduceOp::kAvg).wait());
+        comm.all_reduce(local, mean, o.stop ? 2 : 1, DType::kF32, comm::ReduceOp::kAvg).wait());
+    const bool stopping = mean[1] > 0;
     ZINF_RETURN_IF_ERROR(engine.step());
+    if (!o.save_dir.empty() &&
+        ((o.save_every > 0 && (step + 1) % o.save_every == 0) || step + 1 == o.steps || stopping)) {
+      const auto t0 = std::chrono::steady_clock::now();
+      ZINF_ASSIGN_OR_RETURN(
+          std::string dir,
+          engine.save_checkpoint(o.save_dir, {.step = step + 1,
+                                              .keep = o.keep,
+                                              .user_state = checkpoint_user_state(o, step + 1)}));
+      if (rank == 0) {
+        const double seconds =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        auto m = ckpt::read_manifest(dir);
+        std::lock_guard lock(shared.mu);
+        shared.report.save_seconds += seconds;
+        shared.report.save_bytes += m.is_ok() ? m->total_bytes() : 0;
+        ++shared.report.saves;
+        shared.report.last_checkpoint = std::move(dir);
+      }
+    }
     double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (rank == 0) {
       StoreStats now = engine.store_stats();
       StepLog log{.step = step + 1,
-                  .loss = mean,
+                  .loss = mean[0],
                   .seconds = seconds,
                   .tokens_per_s = static_cast<double>(B) * T * gas * world / seconds,
                   .skipped = engine.last_step().skipped,
@@ -315,6 +392,10 @@ Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o
         shared.report.steps.push_back(log);
       }
       if (on_step) on_step(log, o.steps);
+    }
+    if (stopping && step + 1 < o.steps) {
+      return make_error(ErrorCode::kCancelled, "stopped after step {} of {}{}", step + 1, o.steps,
+                        o.save_dir.empty() ? "" : fmt::format(" (saved in {})", o.save_dir));
     }
   }
   {
@@ -369,9 +450,57 @@ Status run_rank_guarded(comm::Communicator& comm, const TrainOptions& o, const T
 
 }  // namespace
 
+Status check_output_file(std::string_view flag, const std::string& path) {
+  if (path.empty()) return make_error(ErrorCode::kInvalidArgument, "{}: an empty path", flag);
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
+    return make_error(ErrorCode::kInvalidArgument, "{} {}: a directory, not a file", flag, path);
+  }
+  const size_t slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "."
+                          : slash == 0               ? "/"
+                                                     : path.substr(0, slash);
+  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    return make_error(ErrorCode::kNotFound, "{} {}: the directory {} does not exist", flag, path,
+                      dir);
+  }
+  if (::access(dir.c_str(), W_OK) != 0) {
+    return errno_status(errno, fmt::format("{} {}: cannot write in {}", flag, path, dir));
+  }
+  return Status::ok();
+}
+
+// Checkpoint flags: the save directory exists (created here) and is writable; the checkpoint to
+// resume from is there and its manifest reads.
+Status check_checkpoint_options(const TrainOptions& o) {
+  if (o.save_every < 0 || o.keep < 0) {
+    return make_error(ErrorCode::kInvalidArgument, "--save-every and --keep must be >= 0");
+  }
+  if (o.save_dir.empty() && (o.save_every > 0 || o.keep > 0)) {
+    return make_error(ErrorCode::kInvalidArgument, "--save-every and --keep need --save-dir");
+  }
+  if (!o.save_dir.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(o.save_dir, ec);
+    if (ec) return errno_status(ec.value(), "--save-dir: cannot create " + o.save_dir);
+    if (::access(o.save_dir.c_str(), W_OK) != 0) {
+      return errno_status(errno, "--save-dir: cannot write in " + o.save_dir);
+    }
+  }
+  if (o.resume.empty()) return Status::ok();
+  if (o.resume == "latest" && o.save_dir.empty()) {
+    return make_error(ErrorCode::kInvalidArgument, "--resume latest needs --save-dir");
+  }
+  ZINF_ASSIGN_OR_RETURN(std::string dir, ckpt::resolve_checkpoint(resume_path(o)));
+  return std::move(ckpt::read_manifest(dir)).take_status().with_context("--resume");
+}
+
 Status check_train_options(const TrainOptions& o) {
   ZINF_RETURN_IF_ERROR(validate(o.model));
   ZINF_RETURN_IF_ERROR(optim::LrSchedule::create(o.lr_schedule, o.engine.adam.lr).status());
+  if (!o.export_path.empty()) ZINF_RETURN_IF_ERROR(check_output_file("--export", o.export_path));
+  if (!o.log_json.empty()) ZINF_RETURN_IF_ERROR(check_output_file("--log-json", o.log_json));
+  ZINF_RETURN_IF_ERROR(check_checkpoint_options(o));
   if (o.batch < 1) return make_error(ErrorCode::kInvalidArgument, "--batch must be at least 1");
   if (o.steps < 1) return make_error(ErrorCode::kInvalidArgument, "--steps must be at least 1");
   if (!o.mpi && (o.ranks < 1 || o.ranks > 64)) {

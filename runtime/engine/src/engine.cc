@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "builder.h"
+#include "checkpoint.h"
 #include "engine_state.h"
 #include "gatherer.h"
 #include "grad_reducer.h"
@@ -460,6 +461,48 @@ Result<std::vector<float>> Engine::full_parameters(size_t unit) {
   e.comm.reset_counters();
   full.resize(l.numel);
   return full;
+}
+
+// ---- checkpoints --------------------------------------------------------------------------------
+//
+// The scalars the engine's parts keep: with the tensors, all a resumed run needs to continue
+// exactly as the uninterrupted one.
+
+Result<std::string> Engine::save_checkpoint(const std::string& root,
+                                            const SaveCheckpointOptions& options) {
+  const engine_detail::LossScaler::State ls = impl_->scaler.state();
+  const nlohmann::json scalars = {{"optimizer_steps", impl_->e.steps},
+                                  {"step_calls", impl_->step_calls},
+                                  {"skipped_steps", impl_->skipped_steps},
+                                  {"nonfinite_in_a_row", impl_->nonfinite_in_a_row},
+                                  {"loss_scale", ls.scale},
+                                  {"loss_scale_good_steps", ls.good_steps},
+                                  {"loss_scale_hysteresis_left", ls.hysteresis_left}};
+  return engine_detail::save_checkpoint(impl_->e, scalars, root, options);
+}
+
+Result<LoadedCheckpoint> Engine::load_checkpoint(const std::string& path) {
+  ZINF_ASSIGN_OR_RETURN(engine_detail::LoadedState loaded,
+                        engine_detail::load_checkpoint(impl_->e, path));
+  const nlohmann::json& j = loaded.scalars;
+  try {
+    impl_->e.steps = j.at("optimizer_steps").get<int64_t>();
+    impl_->step_calls = j.at("step_calls").get<int64_t>();
+    impl_->skipped_steps = j.at("skipped_steps").get<int64_t>();
+    impl_->nonfinite_in_a_row = j.at("nonfinite_in_a_row").get<uint64_t>();
+    impl_->scaler.restore({.scale = j.at("loss_scale").get<float>(),
+                           .good_steps = j.at("loss_scale_good_steps").get<int>(),
+                           .hysteresis_left = j.at("loss_scale_hysteresis_left").get<int>()});
+  } catch (const std::exception& ex) {
+    return make_error(ErrorCode::kCorrupt, "{}/manifest.json: the engine's state: {}",
+                      loaded.info.path, ex.what());
+  }
+  loaded.info.optimizer_steps = impl_->e.steps;
+  last_step_ = StepInfo{.step = impl_->e.steps,
+                        .skipped_steps = impl_->skipped_steps,
+                        .nonfinite_in_a_row = impl_->nonfinite_in_a_row,
+                        .loss_scale = impl_->scaler.scale()};
+  return std::move(loaded.info);
 }
 
 size_t Engine::unit_count() const { return impl_->e.unit_states.size(); }

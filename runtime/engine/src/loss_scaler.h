@@ -29,6 +29,21 @@ class LossScaler {
   }
 
   float scale() const { return scale_; }
+
+  // What a checkpoint keeps, so that a resumed run scales as the uninterrupted one would.
+  struct State {
+    float scale = 1;
+    int good_steps = 0;
+    int hysteresis_left = 0;
+  };
+  State state() const {
+    return {.scale = scale_, .good_steps = good_steps_, .hysteresis_left = hysteresis_left_};
+  }
+  void restore(const State& s) {
+    scale_ = s.scale;
+    good_steps_ = s.good_steps;
+    hysteresis_left_ = s.hysteresis_left;
+  }
   // Whether a step must look for non-finite gradients first (and skip itself on one).
   bool checks_overflow() const { return checks_overflow_; }
   // Whether lowering the scale can no longer cure an overflow: no dynamic scaling (fp32, bf16, a

@@ -2,6 +2,7 @@
 // per thread on the local communicator or one per process under mpirun.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -35,7 +36,19 @@ struct TrainOptions {
   config::SchedulerConfig lr_schedule;
   std::string log_json;     // one JSON object per step
   std::string export_path;  // consolidated fp32 weights (.safetensors) at the end
-  int sample_bytes = 0;     // text generated at the end
+  // Checkpoints (docs/checkpoints.md). With save_dir, a checkpoint every save_every steps (0 =
+  // none on the way) and one after the last step, keeping the newest `keep` (0 = all). resume: a
+  // checkpoint directory, a root holding `latest`, or "latest" (save_dir's newest); `steps` is
+  // the total, so a resumed run continues from the saved step up to it.
+  std::string save_dir;
+  int save_every = 0;
+  int keep = 0;
+  std::string resume;
+  // Clean shutdown: when set (non-zero, e.g. the number of a signal received) the ranks agree to
+  // stop after the current step, a checkpoint is saved when save_dir is given, and train()
+  // returns kCancelled naming the step (the engines, and with them the swap files, are gone).
+  const std::atomic<int>* stop = nullptr;
+  int sample_bytes = 0;  // text generated at the end
   std::string sample_prompt = "\n";
   bool progress = true;  // a progress line on a terminal
 };
@@ -64,8 +77,16 @@ struct TrainReport {
   int64_t parameters = 0;          // unpadded
   uint64_t padded_parameters = 0;  // P of the ZeRO arithmetic
   std::string sample;
-  double initial_loss = 0;  // loss of the first step
-  double final_loss = 0;    // mean loss of the last 10 % of steps
+  double initial_loss = 0;      // loss of the first step
+  double final_loss = 0;        // mean loss of the last 10 % of steps
+  int64_t resumed_from = 0;     // the step the run started from (a resumed run's checkpoint)
+  std::string resumed_path;     // the checkpoint directory it was loaded from
+  std::string last_checkpoint;  // the directory of the last checkpoint saved
+  // Rank 0's time in save_checkpoint / load_checkpoint (collectives: every rank's files are
+  // written or read meanwhile), and the checkpoint's bytes (every rank's files).
+  double save_seconds = 0, load_seconds = 0;
+  uint64_t save_bytes = 0, load_bytes = 0;
+  int saves = 0;
 };
 
 using StepCallback = std::function<void(const StepLog&, int total_steps)>;
@@ -76,6 +97,11 @@ using StartCallback = std::function<void(const EngineSettings& effective, const 
 // Checks the options before anything is allocated: model shape, data (exists, non-empty, longer
 // than a window), budgets large enough for one unit, NVMe paths with room for the offloaded state.
 Status check_train_options(const TrainOptions& options);
+
+// An output file a run will write (`flag` names it in the error): its directory exists and is
+// writable, and the path is not a directory. Checked before training, so a bad path costs
+// nothing.
+Status check_output_file(std::string_view flag, const std::string& path);
 
 // Trains and returns what rank 0 saw (on other MPI ranks: their own view).
 Result<TrainReport> train(const TrainOptions& options, const StepCallback& on_step = {},

@@ -269,6 +269,22 @@ struct CommReport {
   comm::CommCounters counters;  // the communicator's counters over the last step
 };
 
+// Checkpoints (docs/checkpoints.md; the format is zinf/ckpt/manifest.h).
+struct SaveCheckpointOptions {
+  int64_t step = -1;  // the directory's label, step-<step>; -1: the optimizer steps taken
+  int keep = 0;       // after a successful save keep the newest `keep` checkpoints; 0 = all
+  // The caller's own state (data position, seeds, a learning-rate schedule), a JSON object
+  // stored in the manifest as "user" and given back by load_checkpoint().
+  std::string user_state = "{}";
+};
+
+struct LoadedCheckpoint {
+  std::string path;  // the step directory loaded
+  int64_t step = 0;  // its label
+  int64_t optimizer_steps = 0;
+  std::string user_state;  // SaveCheckpointOptions::user_state as saved
+};
+
 class Engine {
  public:
   static Result<std::unique_ptr<Engine>> create(const EngineSettings& settings,
@@ -301,6 +317,22 @@ class Engine {
   ScheduleReport schedule_report() const { return last_schedule_; }
   // Collective: every rank must call it. The unit's fp32 parameters (the master copy), whole.
   Result<std::vector<float>> full_parameters(size_t unit);
+
+  // Collective, between steps (no scope open). Every rank writes its shards of the working
+  // parameters, the fp32 master (mixed precision) and Adam m and v, streamed tensor by tensor
+  // through the host tier (state on NVMe is never loaded whole), under root/tmp-<step>-<pid>;
+  // rank 0 then writes the manifest (with the optimizer step, the loss scale and its counters,
+  // the caller's state, every file's size and XXH3) and commits it atomically as
+  // root/step-<step>, pointed to by root/latest (zinf/ckpt/directory.h). A failure on any rank
+  // fails every rank and leaves the previous checkpoints as they were. Returns the directory.
+  Result<std::string> save_checkpoint(const std::string& root,
+                                      const SaveCheckpointOptions& options = {});
+  // Collective, between steps. `path`: a step directory, or a root whose `latest` names one.
+  // Verifies the manifest against this engine's units and every file it reads (size, XXH3)
+  // before anything is overwritten; a corrupt or truncated file is refused, named. Loads at any
+  // world size and stage (each element found by its flat index in the saved segments); the
+  // working dtype must be the saved one.
+  Result<LoadedCheckpoint> load_checkpoint(const std::string& path);
 
   size_t unit_count() const;
   const zero::ShardLayout& layout(size_t unit) const;
