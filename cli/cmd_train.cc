@@ -49,6 +49,7 @@ struct Args {
   bool no_checksum = false;
   std::string lr_schedule;
   int64_t warmup_steps = 0;
+  std::string device;
 };
 
 // The flags given, as build_train_settings() takes them.
@@ -78,7 +79,8 @@ TrainFlags train_flags(const Args& a, const CLI::App& sub) {
                     .trace = opt("--trace", a.trace),
                     .no_checksum = a.no_checksum,
                     .lr_schedule = opt("--lr-schedule", a.lr_schedule),
-                    .warmup_steps = opt("--warmup-steps", a.warmup_steps)};
+                    .warmup_steps = opt("--warmup-steps", a.warmup_steps),
+                    .device = opt("--device", a.device)};
 }
 
 // Help text of a tunable's flag: what it does, its JSON key and what leaving it out means.
@@ -354,6 +356,9 @@ const Registration kTrain{
                t::kLrSchedule));
       sub.add_option("--warmup-steps", a->warmup_steps,
                      help("Warm-up steps of the Warmup* schedules", t::kWarmupSteps));
+      sub.add_option("--device", a->device,
+                     help("The top tier: auto ($ZINF_DEVICE, else cpu), cpu, cpu-strict or cuda",
+                          t::kDevice));
       sub.add_option("--seed", a->seed,
                      help("Seed of the initialisation and the data order", t::kSeed));
       sub.add_option("--data", a->data, "Text file to train on (default: the fortunes corpus)");

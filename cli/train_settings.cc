@@ -366,6 +366,15 @@ TrainSettings build_train_settings(const TrainFlags& f, const config::Config* cf
     resolved.value = value_at(effective, canonical);
   }
   out.engine = *e;
+  if (f.device) {
+    const auto kind = parse_device_kind(*f.device);
+    if (!kind) {
+      throw CliError(fmt::format("--device must be auto, cpu, cpu-strict or cuda, got '{}'",
+                                 *f.device),
+                     2);
+    }
+    out.engine.device = *kind;
+  }
   out.batch = static_cast<int>(c.train_micro_batch_size_per_gpu);
   out.seed = c.zinf.seed;
   out.trace = c.zinf.trace;
@@ -393,6 +402,7 @@ TrainSettings build_train_settings(const TrainFlags& f, const config::Config* cf
       {"--no-checksum", f.no_checksum},
       {"--lr-schedule", f.lr_schedule.has_value()},
       {"--warmup-steps", f.warmup_steps.has_value()},
+      {"--device", f.device.has_value()},
   };
   for (const t::Entry& e : t::kAll) {
     Source s = Source::kDefault;

@@ -43,6 +43,7 @@ struct TrainFlags {
   bool no_checksum = false;                // --no-checksum: zinf.checksum false
   std::optional<std::string> lr_schedule;  // --lr-schedule: scheduler.type ("none" drops it)
   std::optional<int64_t> warmup_steps;     // --warmup-steps: scheduler.params.warmup_num_steps
+  std::optional<std::string> device;       // --device: EngineSettings::device (no config key)
 };
 
 // What the run knows beyond the flags, for DeepSpeed's "auto" values (resolved as the Hugging Face

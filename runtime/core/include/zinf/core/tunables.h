@@ -451,7 +451,8 @@ inline constexpr Tunable<uint64_t> kSeed{
 inline constexpr Tunable<std::string_view> kDevice{
     .name = "device",
     .value = "auto",
-    .doc = "the top tier's device: auto ($ZINF_DEVICE, else cpu), cpu, cpu-strict",
+    .flag = "--device",
+    .doc = "the top tier's device: auto ($ZINF_DEVICE, else cpu), cpu, cpu-strict, cuda",
 };
 inline constexpr Tunable<int> kOptimizerThreads{
     .name = "optimizer_threads",
