@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -300,7 +301,7 @@ TEST(Engine, Fp16OverflowSkipsTheStepAndLowersTheScale) {
   s.dtype = DType::kF16;
   s.hysteresis = 1;
   s.initial_scale_power = 8;
-  float scale_before = 0;
+  std::atomic<float> scale_before = 0;  // written by every rank's thread (TSan found the race)
   RunResult r = train_local(s, 2, 3, 2, {}, [&](Engine& e, int step) {
     if (step == 1) scale_before = e.loss_scale();
   });
@@ -314,7 +315,7 @@ TEST(Engine, Fp16OverflowSkipsTheStepAndLowersTheScale) {
   EXPECT_TRUE(o.info[0].skipped);
   EXPECT_EQ(o.info[0].step, 0);
   EXPECT_EQ(o.info[0].loss_scale, std::ldexp(1.0f, 29));
-  EXPECT_GT(scale_before, 0);
+  EXPECT_GT(scale_before.load(), 0);
 }
 
 // One micro-step whose gradients are `value` everywhere, except `poison` (NaN, inf) in the

@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "store_wire.h"
 #include "zinf/core/log.h"
 
 namespace zinf::comm {
@@ -33,85 +34,11 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-enum class Op : uint8_t { kHello = 1, kSet = 2, kGet = 3, kWait = 4, kAdd = 5 };
-enum class Reply : uint8_t { kOk = 0, kTimeout = 1, kRefused = 2, kError = 3 };
-
-constexpr size_t kMaxWaitKeys = 1 << 16;
-
-class Writer {
- public:
-  Writer& u8(uint8_t v) {
-    bytes_.push_back(v);
-    return *this;
-  }
-  Writer& u32(uint32_t v) {
-    for (int i = 0; i < 4; ++i) bytes_.push_back(static_cast<uint8_t>(v >> (8 * i)));
-    return *this;
-  }
-  Writer& i64(int64_t v) {
-    auto u = static_cast<uint64_t>(v);
-    for (int i = 0; i < 8; ++i) bytes_.push_back(static_cast<uint8_t>(u >> (8 * i)));
-    return *this;
-  }
-  Writer& raw(std::string_view s) {
-    bytes_.insert(bytes_.end(), s.begin(), s.end());
-    return *this;
-  }
-  Writer& str(std::string_view s) { return u32(static_cast<uint32_t>(s.size())).raw(s); }
-  // The payload behind its length prefix.
-  std::vector<uint8_t> frame() const {
-    std::vector<uint8_t> out;
-    out.reserve(bytes_.size() + 4);
-    for (int i = 0; i < 4; ++i) out.push_back(static_cast<uint8_t>(bytes_.size() >> (8 * i)));
-    out.insert(out.end(), bytes_.begin(), bytes_.end());
-    return out;
-  }
-  size_t size() const { return bytes_.size(); }
-  std::string_view view() const {
-    return {reinterpret_cast<const char*>(bytes_.data()), bytes_.size()};
-  }
-
- private:
-  std::vector<uint8_t> bytes_;
-};
-
-// Reads fields off a payload; any read past the end sets !ok() and yields zeros.
-class Reader {
- public:
-  explicit Reader(const std::vector<uint8_t>& bytes) : bytes_(bytes) {}
-  bool ok() const { return ok_; }
-  bool done() const { return ok_ && pos_ == bytes_.size(); }
-  uint8_t u8() { return static_cast<uint8_t>(fixed(1)); }
-  uint32_t u32() { return static_cast<uint32_t>(fixed(4)); }
-  int64_t i64() { return static_cast<int64_t>(fixed(8)); }
-  std::string str() { return raw(u32()); }
-  std::string rest() { return raw(bytes_.size() - pos_); }
-
- private:
-  uint64_t fixed(int n) {
-    if (!ok_ || bytes_.size() - pos_ < static_cast<size_t>(n)) {
-      ok_ = false;
-      return 0;
-    }
-    uint64_t v = 0;
-    for (int i = 0; i < n; ++i) v |= uint64_t{bytes_[pos_ + i]} << (8 * i);
-    pos_ += n;
-    return v;
-  }
-  std::string raw(size_t n) {
-    if (!ok_ || bytes_.size() - pos_ < n) {
-      ok_ = false;
-      return {};
-    }
-    std::string s(reinterpret_cast<const char*>(bytes_.data() + pos_), n);
-    pos_ += n;
-    return s;
-  }
-
-  const std::vector<uint8_t>& bytes_;
-  size_t pos_ = 0;
-  bool ok_ = true;
-};
+using wire::Op;
+using wire::Reader;
+using wire::Reply;
+using wire::Request;
+using wire::Writer;
 
 uint32_t le32(const std::array<uint8_t, 4>& b) {
   return uint32_t{b[0]} | uint32_t{b[1]} << 8 | uint32_t{b[2]} << 16 | uint32_t{b[3]} << 24;
@@ -288,9 +215,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
       if (ec) return self->close();
       uint32_t length = le32(self->header_);
       // Before HELLO only a small frame: nothing large is allocated for an unknown peer.
-      const size_t limit = self->authenticated_
-                               ? self->state_.max_frame_bytes
-                               : std::min(kPreAuthFrameBytes, self->state_.max_frame_bytes);
+      const size_t limit = wire::frame_limit(self->authenticated_, self->state_.max_frame_bytes);
       if (length == 0 || length > limit) {
         log::debug("store: closing a connection that announced a {}-byte frame", length);
         return self->close();
@@ -305,64 +230,44 @@ class Connection : public std::enable_shared_from_this<Connection> {
   }
 
   void handle() {
-    Reader in(payload_);
-    auto op = static_cast<Op>(in.u8());
+    const auto op = static_cast<Op>(Reader(payload_).u8());
+    if (!authenticated_ && op != Op::kHello) return refuse("the first request must be HELLO");
+    std::optional<Request> request = wire::decode_request(payload_);
+    if (!request) return close();  // malformed
     if (!authenticated_) {
-      if (op != Op::kHello) return refuse("the first request must be HELLO");
-      uint32_t version = in.u32();
-      std::string token = in.str();
-      if (!in.done()) return close();
-      if (version != kStoreProtocolVersion) {
-        return refuse(fmt::format("protocol version {} is not {}", version, kStoreProtocolVersion));
+      if (request->version != kStoreProtocolVersion) {
+        return refuse(
+            fmt::format("protocol version {} is not {}", request->version, kStoreProtocolVersion));
       }
-      if (!state_.token.empty() && !tokens_equal(token, state_.token)) {
+      if (!state_.token.empty() && !tokens_equal(request->token, state_.token)) {
         return refuse("wrong token");
       }
       authenticated_ = true;
       handshake_timer_.cancel();
       return reply(Reply::kOk, "");
     }
-    switch (op) {
-      case Op::kSet: {
-        std::string key = in.str();
-        std::string value = in.str();
-        if (!in.done()) return close();
-        state_.data[std::move(key)] = std::move(value);
+    switch (request->op) {
+      case Op::kSet:
+        state_.data[std::move(request->keys[0])] = std::move(request->value);
         reply(Reply::kOk, "");
         state_.notify_waiters();
         return;
-      }
-      case Op::kGet: {
-        uint32_t timeout_ms = in.u32();
-        std::string key = in.str();
-        if (!in.done()) return close();
-        wait_keys_ = {std::move(key)};
-        want_value_ = true;
-        return begin_wait(timeout_ms);
-      }
-      case Op::kWait: {
-        uint32_t timeout_ms = in.u32();
-        uint32_t n = in.u32();
-        if (n > kMaxWaitKeys) return close();
-        std::vector<std::string> keys;
-        for (uint32_t i = 0; i < n && in.ok(); ++i) keys.push_back(in.str());
-        if (!in.done()) return close();
-        wait_keys_ = std::move(keys);
-        want_value_ = false;
-        return begin_wait(timeout_ms);
-      }
+      case Op::kGet:
+      case Op::kWait:
+        wait_keys_ = std::move(request->keys);
+        want_value_ = request->op == Op::kGet;
+        return begin_wait(request->timeout_ms);
       case Op::kAdd: {
-        int64_t delta = in.i64();
-        std::string key = in.str();
-        if (!in.done()) return close();
+        const std::string& key = request->keys[0];
         int64_t value = 0;
         if (auto it = state_.data.find(key); it != state_.data.end()) {
           auto parsed = parse_i64(it->second);
           if (!parsed) return reply(Reply::kError, fmt::format("key '{}' is not an integer", key));
           value = *parsed;
         }
-        if (__builtin_add_overflow(value, delta, &value)) {
-          return reply(Reply::kError, fmt::format("adding {} to key '{}' overflows", delta, key));
+        if (__builtin_add_overflow(value, request->delta, &value)) {
+          return reply(Reply::kError,
+                       fmt::format("adding {} to key '{}' overflows", request->delta, key));
         }
         state_.data[key] = std::to_string(value);
         Writer w;
@@ -370,8 +275,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
         state_.notify_waiters();
         return;
       }
-      default:
-        return close();  // unknown op (HELLO twice included): malformed
+      case Op::kHello:
+        return close();  // HELLO twice: malformed
     }
   }
 
@@ -478,7 +383,8 @@ struct TcpStoreServer::Impl {
       if (ec == asio::error::operation_aborted) return;
       if (ec) {
         // Said at the first failure and then at every power of two, not at every retry.
-        if ((++accept_failures & (accept_failures - 1)) == 0) {
+        ++accept_failures;
+        if ((accept_failures & (accept_failures - 1)) == 0) {
           log::warn("store: accept failed ({} time(s)): {}; retrying with a pause", accept_failures,
                     ec.message());
         }
@@ -709,8 +615,8 @@ Result<std::unique_ptr<TcpStoreClient>> TcpStoreClient::connect(StoreClientOptio
     backoff = std::min(backoff * 2, std::chrono::milliseconds(500));
   }
   ZINF_ASSIGN_OR_RETURN(std::string token, resolve_token(options.token));
-  Writer hello;
-  hello.u8(static_cast<uint8_t>(Op::kHello)).u32(kStoreProtocolVersion).str(token);
+  Writer hello = wire::encode_request(
+      {.op = Op::kHello, .version = kStoreProtocolVersion, .token = std::move(token)});
   ZINF_ASSIGN_OR_RETURN(auto answer, impl->transact(hello, options.io_timeout));
   if (answer.status != Reply::kOk) {
     Status refused = impl->answer_error(answer, "this client");
@@ -727,16 +633,16 @@ Result<std::unique_ptr<TcpStoreClient>> TcpStoreClient::connect(StoreClientOptio
 
 Status TcpStoreClient::set(std::string_view key, std::string_view value) {
   std::lock_guard lock(impl_->mu);
-  Writer w;
-  w.u8(static_cast<uint8_t>(Op::kSet)).str(key).str(value);
+  Writer w = wire::encode_request(
+      {.op = Op::kSet, .keys = {std::string(key)}, .value = std::string(value)});
   ZINF_ASSIGN_OR_RETURN(auto answer, impl_->transact(w, impl_->options.io_timeout));
   return impl_->answer_error(answer, fmt::format("set '{}'", key));
 }
 
 Result<std::string> TcpStoreClient::get(std::string_view key, std::chrono::milliseconds timeout) {
   std::lock_guard lock(impl_->mu);
-  Writer w;
-  w.u8(static_cast<uint8_t>(Op::kGet)).u32(clamp_ms(timeout)).str(key);
+  Writer w = wire::encode_request(
+      {.op = Op::kGet, .timeout_ms = clamp_ms(timeout), .keys = {std::string(key)}});
   ZINF_ASSIGN_OR_RETURN(auto answer, impl_->transact(w, timeout + impl_->options.io_timeout));
   ZINF_RETURN_IF_ERROR(impl_->answer_error(answer, fmt::format("get '{}'", key)));
   return std::string(answer.body.begin(), answer.body.end());
@@ -744,23 +650,20 @@ Result<std::string> TcpStoreClient::get(std::string_view key, std::chrono::milli
 
 Status TcpStoreClient::wait(std::span<const std::string> keys, std::chrono::milliseconds timeout) {
   std::lock_guard lock(impl_->mu);
-  if (keys.size() > kMaxWaitKeys) {
+  if (keys.size() > wire::kMaxWaitKeys) {
     return make_error(ErrorCode::kInvalidArgument, "store: wait on {} keys (at most {})",
-                      keys.size(), kMaxWaitKeys);
+                      keys.size(), wire::kMaxWaitKeys);
   }
-  Writer w;
-  w.u8(static_cast<uint8_t>(Op::kWait))
-      .u32(clamp_ms(timeout))
-      .u32(static_cast<uint32_t>(keys.size()));
-  for (const std::string& key : keys) w.str(key);
+  Writer w = wire::encode_request({.op = Op::kWait,
+                                   .timeout_ms = clamp_ms(timeout),
+                                   .keys = std::vector<std::string>(keys.begin(), keys.end())});
   ZINF_ASSIGN_OR_RETURN(auto answer, impl_->transact(w, timeout + impl_->options.io_timeout));
   return impl_->answer_error(answer, "wait");
 }
 
 Result<int64_t> TcpStoreClient::add(std::string_view key, int64_t delta) {
   std::lock_guard lock(impl_->mu);
-  Writer w;
-  w.u8(static_cast<uint8_t>(Op::kAdd)).i64(delta).str(key);
+  Writer w = wire::encode_request({.op = Op::kAdd, .delta = delta, .keys = {std::string(key)}});
   ZINF_ASSIGN_OR_RETURN(auto answer, impl_->transact(w, impl_->options.io_timeout));
   ZINF_RETURN_IF_ERROR(impl_->answer_error(answer, fmt::format("add to '{}'", key)));
   if (answer.body.size() != 8) {

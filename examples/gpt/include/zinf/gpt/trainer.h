@@ -14,6 +14,7 @@
 #include "zinf/engine/engine.h"
 #include "zinf/gpt/config.h"
 #include "zinf/optim/lr_schedule.h"
+#include "zinf/gpt/safetensors.h"  // write_safetensors: the export
 
 namespace zinf::gpt {
 
@@ -106,13 +107,5 @@ Status check_output_file(std::string_view flag, const std::string& path);
 // Trains and returns what rank 0 saw (on other MPI ranks: their own view).
 Result<TrainReport> train(const TrainOptions& options, const StepCallback& on_step = {},
                           const StartCallback& on_start = {});
-
-// Writes fp32 tensors as a safetensors file (8-byte header length, JSON header, raw data).
-struct NamedTensor {
-  std::string name;
-  std::vector<int64_t> shape;
-  std::vector<float> data;
-};
-Status write_safetensors(const std::string& path, const std::vector<NamedTensor>& tensors);
 
 }  // namespace zinf::gpt
