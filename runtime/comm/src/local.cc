@@ -18,13 +18,25 @@ using Clock = std::chrono::steady_clock;
 class LocalGroup {
  public:
   LocalGroup(int world, std::chrono::milliseconds timeout)
-      : world_(world), timeout_(timeout), arrived_(world, 0), slots_(world, nullptr) {}
+      : world_(world),
+        timeout_(timeout),
+        arrived_(world, 0),
+        reading_(world, 0),
+        slots_(world, nullptr) {}
 
   // `c` is this rank's operation; `post` publishes it for the peers (it must stay alive until the
   // operation's last meeting). `stage` names the meeting in error messages.
+  //
+  // After a meeting other than the last ("end"), every rank reads its peers' buffers until its
+  // next meeting. A broken group does not let a rank leave while a peer is still reading: its
+  // buffers may be freed as soon as its operation completes (a failed rank's engine is
+  // destroyed), so a broken arrive first waits for the peers that are mid-copy to finish.
   Status arrive(int rank, const Collective& c, bool post, std::string_view stage) {
     std::unique_lock lock(mu_);
-    if (!broken_.is_ok()) return broken_;
+    reading_[rank] = 0;  // this rank is done with the peers' buffers of the last phase
+    cv_.notify_all();
+    if (!broken_.is_ok()) return broken_after_readers(lock, rank);
+    const bool reads_after = stage != "end" && c.op != CollectiveOp::kBarrier;
     if (post) slots_[rank] = &c;
     arrived_[rank] = 1;
     const uint64_t generation = generation_;
@@ -34,14 +46,18 @@ class LocalGroup {
       std::fill(arrived_.begin(), arrived_.end(), 0);
       ++generation_;
       cv_.notify_all();
+      if (verdict_.is_ok() && reads_after) reading_[rank] = 1;
       return verdict_;
     }
     const auto deadline = Clock::now() + timeout_;
     for (;;) {
       // A completed generation wins over a later failure: its verdict stays put until this rank
       // arrives at the next meeting.
-      if (generation_ != generation) return verdict_;
-      if (!broken_.is_ok()) return broken_;
+      if (generation_ != generation) {
+        if (verdict_.is_ok() && reads_after) reading_[rank] = 1;
+        return verdict_;
+      }
+      if (!broken_.is_ok()) return broken_after_readers(lock, rank);
       if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && generation_ == generation &&
           broken_.is_ok()) {
         std::vector<int> missing;
@@ -54,7 +70,7 @@ class LocalGroup {
                              detail::format_ranks(missing), timeout_.count() / 1000.0, stage,
                              collective_name(c.op), c.seq, rank);
         cv_.notify_all();
-        return broken_;
+        return broken_after_readers(lock, rank);
       }
     }
   }
@@ -85,6 +101,19 @@ class LocalGroup {
   int world() const { return world_; }
 
  private:
+  // The group's error, once no other rank is reading this rank's buffers (a peer mid-copy
+  // finishes its memcpy and arrives, clearing its flag); bounded by the timeout all the same.
+  Status broken_after_readers(std::unique_lock<std::mutex>& lock, int rank) {
+    const auto deadline = Clock::now() + timeout_;
+    cv_.wait_until(lock, deadline, [&] {
+      for (int r = 0; r < world_; ++r) {
+        if (r != rank && reading_[r]) return false;
+      }
+      return true;
+    });
+    return broken_;
+  }
+
   Status check_posted() const {
     std::vector<detail::OpHeader> headers(world_);
     for (int r = 0; r < world_; ++r) headers[r] = detail::make_header(*slots_[r], r);
@@ -98,6 +127,7 @@ class LocalGroup {
   uint64_t generation_ = 0;
   int n_arrived_ = 0;
   std::vector<uint8_t> arrived_;
+  std::vector<uint8_t> reading_;  // past a meeting, reading the peers' buffers
   std::vector<const Collective*> slots_;
   Status verdict_;
   Status broken_;
