@@ -369,9 +369,8 @@ TrainSettings build_train_settings(const TrainFlags& f, const config::Config* cf
   if (f.device) {
     const auto kind = parse_device_kind(*f.device);
     if (!kind) {
-      throw CliError(fmt::format("--device must be auto, cpu, cpu-strict or cuda, got '{}'",
-                                 *f.device),
-                     2);
+      throw CliError(
+          fmt::format("--device must be auto, cpu, cpu-strict or cuda, got '{}'", *f.device), 2);
     }
     out.engine.device = *kind;
   }

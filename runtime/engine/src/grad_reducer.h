@@ -6,8 +6,8 @@
 // accumulators on the device, the CPU kernel after a copy down for offloaded ones. With
 // overlap_comm at most two reductions stay in flight (fewer when the device budget holds fewer
 // gradient buffers: EngineState::max_reductions_in_flight); without, each completes before the
-// scope's end returns. The unit's last reduction of the step (the trace says it is not used again) tells
-// the optimizer pipeline that its gradients are final. A reduction's buffers belong to the
+// scope's end returns. The unit's last reduction of the step (the trace says it is not used again)
+// tells the optimizer pipeline that its gradients are final. A reduction's buffers belong to the
 // communicator until its works complete: abandon() waits for them.
 #pragma once
 

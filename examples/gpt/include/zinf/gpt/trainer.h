@@ -13,8 +13,8 @@
 #include "zinf/core/status.h"
 #include "zinf/engine/engine.h"
 #include "zinf/gpt/config.h"
-#include "zinf/optim/lr_schedule.h"
 #include "zinf/gpt/safetensors.h"  // write_safetensors: the export
+#include "zinf/optim/lr_schedule.h"
 
 namespace zinf::gpt {
 
