@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "budget_error.h"
 #include "event_state.h"
 #include "zinf/core/log.h"
 #include "zinf/core/units.h"
@@ -225,12 +226,7 @@ class CpuDevice final : public Device {
           cache_.erase(last);
         }
         if (in_use_ + padded > options_.budget_bytes) {
-          return make_error(ErrorCode::kOutOfMemory,
-                            "device budget exhausted: {} requested for {} while {} of the {} "
-                            "budget is in use",
-                            format_bytes(static_cast<double>(bytes)), category_name(category),
-                            format_bytes(static_cast<double>(in_use_)),
-                            format_bytes(static_cast<double>(options_.budget_bytes)));
+          return device_budget_exhausted(bytes, category, in_use_, options_.budget_bytes);
         }
       }
       in_use_ += padded;

@@ -16,6 +16,7 @@
 
 #include <mutex>
 
+#include "budget_error.h"
 #include "event_state.h"
 #include "zinf/core/log.h"
 #include "zinf/core/units.h"
@@ -155,12 +156,7 @@ class CudaDevice final : public Device {
     {
       std::lock_guard lock(mu_);
       if (in_use_ + padded > options_.budget_bytes) {
-        return make_error(ErrorCode::kOutOfMemory,
-                          "device budget exhausted: {} requested for {} while {} of the {} "
-                          "budget is in use",
-                          format_bytes(static_cast<double>(padded)), category_name(category),
-                          format_bytes(static_cast<double>(in_use_)),
-                          format_bytes(static_cast<double>(options_.budget_bytes)));
+        return device_budget_exhausted(padded, category, in_use_, options_.budget_bytes);
       }
       in_use_ += padded;
     }
