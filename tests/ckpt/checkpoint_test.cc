@@ -7,11 +7,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <thread>
 
 #include "engine/mlp.h"
 #include "io/test_dir.h"
@@ -154,7 +156,9 @@ TEST(Checkpoint, ResumeIsExactInEveryStageOffloadModeAndPrecision) {
       ASSERT_TRUE(resumed.status.is_ok()) << what << ": " << resumed.status.to_string();
       EXPECT_EQ(resumed.loaded.step, kSteps / 2) << what;
       // fp16 skips its first steps while the loss scale comes down.
-      if (dtype != DType::kF16) EXPECT_EQ(resumed.loaded.optimizer_steps, kSteps / 2) << what;
+      if (dtype != DType::kF16) {
+        EXPECT_EQ(resumed.loaded.optimizer_steps, kSteps / 2) << what;
+      }
       EXPECT_EQ(resumed.loaded.user_state, "{\"step\":3}") << what;
       EXPECT_TRUE(same_bits(straight.params, resumed.params)) << what;
       std::vector<float> losses = half.losses;
@@ -346,17 +350,27 @@ TEST(Checkpoint, SaverForTheKillTest) {
   ASSERT_TRUE(r.status.is_ok()) << r.status.to_string();
 }
 
-// A child saves again and again; the parent kills it with SIGKILL after a random delay. Whatever
-// the moment, `latest` names a complete checkpoint that verifies and loads.
+// The newest step directory a save has put in place under `root` (0 if none).
+int64_t newest_step(const std::string& root) {
+  const std::vector<int64_t> steps = ckpt::list_steps(root);
+  return steps.empty() ? 0 : *std::max_element(steps.begin(), steps.end());
+}
+
+// A child saves again and again; once it has put a new step in place, the parent kills it with
+// SIGKILL after a random delay of up to about one save's length, so that the kills land anywhere
+// in a save however fast or slow the machine is. Whatever the moment, `latest` names a complete
+// checkpoint that verifies and loads, and every round leaves at least one more step than the last.
 TEST(Checkpoint, ASaveKilledAtARandomPointLeavesTheLastCompleteOne) {
   TempDir nvme, ckpt;
   const EngineSettings s = settings_for(kModes[5], DType::kBF16, nvme.path());
   // A first complete checkpoint, so that there is always one.
   ASSERT_TRUE(run(s, 1, 0, 1, "", ckpt.path(), 1).status.is_ok());
   std::mt19937 rng(12345);
+  constexpr int kRounds = 12;
   int checked = 0;
-  int64_t last_step = 0;
-  for (int round = 0; round < 12; ++round) {
+  int64_t last_step = 1;
+  for (int round = 0; round < kRounds; ++round) {
+    const int64_t before = newest_step(ckpt.path());
     // This binary again, running only the saver below (a fresh process: no threads forked).
     const pid_t child = ::fork();
     ASSERT_GE(child, 0);
@@ -367,11 +381,33 @@ TEST(Checkpoint, ASaveKilledAtARandomPointLeavesTheLastCompleteOne) {
               static_cast<char*>(nullptr));
       std::_Exit(127);
     }
-    std::this_thread::sleep_for(
-        std::chrono::milliseconds(std::uniform_int_distribution<int>(100, 1000)(rng)));
-    ::kill(child, SIGKILL);
+    // Wait (at most two minutes) for the child's first save, then time its second.
+    const auto start = std::chrono::steady_clock::now();
+    const auto deadline = start + std::chrono::minutes(2);
+    int64_t seen = before;
+    bool exited = false;
     int wstatus = 0;
-    ::waitpid(child, &wstatus, 0);
+    while (seen <= before && !exited && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      seen = newest_step(ckpt.path());
+      exited = ::waitpid(child, &wstatus, WNOHANG) == child;
+    }
+    const auto first_save = std::chrono::steady_clock::now();
+    if (seen > before) {
+      // One step and save take about as long as the time to the first save, less the load.
+      const auto period = std::chrono::duration_cast<std::chrono::milliseconds>(first_save - start);
+      const int most = std::max<int>(20, static_cast<int>(period.count()));
+      std::this_thread::sleep_for(
+          std::chrono::milliseconds(std::uniform_int_distribution<int>(0, most)(rng)));
+    }
+    if (!exited) {
+      ::kill(child, SIGKILL);
+      ::waitpid(child, &wstatus, 0);
+    }
+    ASSERT_FALSE(exited && seen <= before)
+        << "round " << round << ": the saver exited before saving (status " << wstatus << ")";
+    ASSERT_GT(seen, before) << "round " << round << ": the saver put no new step in place in "
+                            << "two minutes";
     auto dir = ckpt::resolve_checkpoint(ckpt.path());
     ASSERT_TRUE(dir.is_ok()) << dir.status().to_string();
     auto m = ckpt::read_manifest(*dir);
@@ -379,13 +415,14 @@ TEST(Checkpoint, ASaveKilledAtARandomPointLeavesTheLastCompleteOne) {
     ASSERT_TRUE(ckpt::verify_all(*dir, *m).is_ok()) << *dir;
     Outcome loaded = run(s, 1, 0, 0, ckpt.path());
     ASSERT_TRUE(loaded.status.is_ok()) << loaded.status.to_string();
+    // The checkpoint loaded is the newest complete one, no older than the save seen in place.
+    EXPECT_GE(loaded.loaded.step, seen) << "round " << round;
     ++checked;
     last_step = loaded.loaded.step;
   }
-  EXPECT_EQ(checked, 12);
-  // The children did save (the kills came while saves were being made, not before the first).
-  EXPECT_GT(last_step, 3);
-  std::printf("the last complete checkpoint after 12 kills: step %lld\n",
+  EXPECT_EQ(checked, kRounds);
+  EXPECT_GE(last_step, 1 + kRounds);
+  std::printf("the last complete checkpoint after %d kills: step %lld\n", kRounds,
               static_cast<long long>(last_step));
 }
 
