@@ -45,18 +45,19 @@ class LocalGroup {
       n_arrived_ = 0;
       std::fill(arrived_.begin(), arrived_.end(), 0);
       ++generation_;
+      // Every rank reads its peers' buffers from now on, the waiters included: their flags are
+      // set here, not when they wake, or a peer that finds the group broken before a waiter
+      // wakes would see nobody reading and leave, and the waiter would then copy from the
+      // operation the peer has just destroyed.
+      if (verdict_.is_ok() && reads_after) std::fill(reading_.begin(), reading_.end(), 1);
       cv_.notify_all();
-      if (verdict_.is_ok() && reads_after) reading_[rank] = 1;
       return verdict_;
     }
     const auto deadline = Clock::now() + timeout_;
     for (;;) {
       // A completed generation wins over a later failure: its verdict stays put until this rank
       // arrives at the next meeting.
-      if (generation_ != generation) {
-        if (verdict_.is_ok() && reads_after) reading_[rank] = 1;
-        return verdict_;
-      }
+      if (generation_ != generation) return verdict_;  // (reading_ set by the last to arrive)
       if (!broken_.is_ok()) return broken_after_readers(lock, rank);
       if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && generation_ == generation &&
           broken_.is_ok()) {
