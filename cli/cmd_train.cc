@@ -13,6 +13,7 @@
 #include "shutdown.h"
 #include "train_settings.h"
 #include "zinf/comm/factory.h"
+#include "zinf/core/log.h"
 #include "zinf/core/trace.h"
 #include "zinf/core/tunables.h"
 #include "zinf/core/units.h"
@@ -22,6 +23,16 @@ namespace zinf::cli {
 namespace {
 
 namespace t = tunables;
+
+// "trace.json" -> "trace.rank2.json"; a name without an extension gets ".rank2" at its end.
+std::string with_rank_suffix(const std::string& path, int rank) {
+  if (path.empty()) return path;
+  const size_t slash = path.rfind('/');
+  const size_t dot = path.rfind('.');
+  const bool has_ext = dot != std::string::npos && (slash == std::string::npos || dot > slash + 1);
+  const std::string tag = fmt::format(".rank{}", rank);
+  return has_ext ? path.substr(0, dot) + tag + path.substr(dot) : path + tag;
+}
 
 // The command line as parsed. Flags that set a tunable have no default here: what a flag left
 // out means comes from the table (zinf/core/tunables.h) through build_train_settings().
@@ -141,11 +152,25 @@ void run(const Args& a, const CLI::App& sub) {
   }
   o.steps = a.steps;
   o.data = a.data;
-  o.mpi = std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr;
-  auto comm_timeout = comm::comm_timeout_from_env();
-  if (!comm_timeout.is_ok()) throw CliError(comm_timeout.status().detail(), 2);
-  o.comm_timeout = *comm_timeout;
+  // One rank per process when a launcher started this one (mpirun, srun, torchrun-style
+  // variables: docs/multi-node.md), else --ranks local threads. Either way one run, one voice:
+  // rank 0 prints and writes the log; the other processes print only their errors.
+  auto launch = comm::comm_config_from_env();
+  if (!launch.is_ok()) throw CliError(launch.status().detail(), 2);
+  o.comm_timeout = launch->timeout;
   o.ranks = a.ranks;
+  if (launch->source != comm::EnvSource::kNone) {
+    if (sub.count("--ranks") > 0 && a.ranks != 1) {
+      throw CliError(fmt::format("--ranks {}: under a launcher ({}) every process is one rank; "
+                                 "launch more processes instead",
+                                 a.ranks, comm::env_source_name(launch->source)),
+                     2);
+    }
+    o.launch = *launch;
+  }
+  const int rank = o.launch ? o.launch->rank : 0;
+  const bool speak = !a.quiet && rank == 0;
+  if (rank != 0) log::logger().set_level(spdlog::level::err);  // rank 0 warns for the run
   o.sample_bytes = a.sample;
   o.export_path = a.export_path;
   o.log_json = a.log_json;
@@ -161,7 +186,7 @@ void run(const Args& a, const CLI::App& sub) {
     if (!loaded.is_ok()) throw CliError(loaded.status().detail(), 2);
     cfg = std::move(*loaded);
   }
-  const int world = o.mpi ? std::atoi(std::getenv("OMPI_COMM_WORLD_SIZE")) : o.ranks;
+  const int world = o.launch ? o.launch->world_size : o.ranks;
   const TrainSettings ts = build_train_settings(train_flags(a, sub), cfg ? &*cfg : nullptr, world,
                                                 {.hidden = o.model.dim, .steps = a.steps});
   o.engine = ts.engine;
@@ -169,7 +194,9 @@ void run(const Args& a, const CLI::App& sub) {
   o.batch = ts.batch;
   o.seed = ts.seed;  // one seed for the initialisation, the data order and the sample
   const EngineSettings& e = o.engine;
-  const std::string& trace_path = ts.trace;
+  // Under a launcher each process writes its own trace: rank r's name gets ".rank<r>" before its
+  // extension (rank 0 keeps the name).
+  const std::string trace_path = rank == 0 ? ts.trace : with_rank_suffix(ts.trace, rank);
   for (const std::string& p : e.nvme_paths) {
     std::error_code ec;
     std::filesystem::create_directories(p, ec);
@@ -181,20 +208,23 @@ void run(const Args& a, const CLI::App& sub) {
   }
   if (Status s = gpt::check_train_options(o); !s.is_ok()) throw CliError(s.detail(), 2);
 
-  const bool tty = ::isatty(STDERR_FILENO) && !a.quiet;
+  const bool tty = ::isatty(STDERR_FILENO) && speak;
   std::unique_ptr<std::ofstream> log;
-  if (!a.log_json.empty()) {
+  if (!a.log_json.empty() && rank == 0) {
     log = std::make_unique<std::ofstream>(a.log_json, std::ios::trunc);
     if (!*log) throw CliError("cannot write " + a.log_json, 2);
     *log << settings_log_line(ts).dump() << "\n";  // the first line; then one per step
     log->flush();
   }
-  if (!a.quiet) {
-    std::printf("zinf train: %s, %s rank%s, ZeRO stage %d, %s, params on %s, optimizer on %s\n",
-                gpt::describe(o.model).c_str(),
-                o.mpi ? std::getenv("OMPI_COMM_WORLD_SIZE") : std::to_string(o.ranks).c_str(),
-                o.ranks == 1 && !o.mpi ? "" : "s", e.stage, dtype_name(e.dtype).data(),
-                tier_name(e.param_home).data(), tier_name(e.optimizer_home).data());
+  if (speak) {
+    std::printf("zinf train: %s, %d rank%s%s, ZeRO stage %d, %s, params on %s, optimizer on %s\n",
+                gpt::describe(o.model).c_str(), world, world == 1 ? "" : "s",
+                o.launch ? fmt::format(" ({}, {} backend)", comm::env_source_name(o.launch->source),
+                                       comm::backend_name(o.launch->backend))
+                               .c_str()
+                         : "",
+                e.stage, dtype_name(e.dtype).data(), tier_name(e.param_home).data(),
+                tier_name(e.optimizer_home).data());
     std::printf("%s", settings_block(ts).c_str());
     std::fflush(stdout);
   }
@@ -208,7 +238,7 @@ void run(const Args& a, const CLI::App& sub) {
                    static_cast<long long>(s.step), total, s.loss, s.tokens_per_s,
                    format_rate(nvme_rate).c_str());
       std::fflush(stderr);
-    } else if (!a.quiet && (s.step == 1 || s.step % 20 == 0 || s.step == total)) {
+    } else if (speak && (s.step == 1 || s.step % 20 == 0 || s.step == total)) {
       std::printf("step %lld/%d  loss %.4f  %.0f tok/s  NVMe %s\n", static_cast<long long>(s.step),
                   total, s.loss, s.tokens_per_s, format_rate(nvme_rate).c_str());
       std::fflush(stdout);
@@ -247,7 +277,7 @@ void run(const Args& a, const CLI::App& sub) {
   };
   // The budgets each rank runs with, once the engine has chosen them (docs/engine.md, Budgets).
   auto on_start = [&](const EngineSettings& effective, const Budgets& b) {
-    if (!a.quiet) {
+    if (speak) {
       std::printf("budgets per rank: device %s (%s), host %s (%s)\n",
                   format_bytes(static_cast<double>(b.device_bytes)).c_str(),
                   b.device_reason.c_str(), format_bytes(static_cast<double>(b.host_bytes)).c_str(),
@@ -276,7 +306,7 @@ void run(const Args& a, const CLI::App& sub) {
   if (!trace_path.empty()) {
     Status ts = trace::stop();
     if (!ts.is_ok()) throw CliError(ts.detail());
-    if (!a.quiet)
+    if (!a.quiet)  // every process wrote one
       std::printf("trace written to %s (open it in ui.perfetto.dev)\n", trace_path.c_str());
   }
   if (!report.is_ok()) {
@@ -289,7 +319,20 @@ void run(const Args& a, const CLI::App& sub) {
   if (const int sig = signals.received().load(); sig != 0) {
     throw CliError("stopped by a signal after the last step", 128 + sig);
   }
-  if (a.quiet) return;
+  if (log) {  // every rank's memory row (peaks over the run)
+    nlohmann::json rows = nlohmann::json::array();
+    for (size_t r = 0; r < report->memory.size(); ++r) {
+      nlohmann::json row = {{"rank", r}};
+      for (int t = 0; t < kNumTiers; ++t) {
+        row["peak_bytes_" + std::string(tier_name(static_cast<Tier>(t)))] =
+            report->memory[r].tiers[t].peak;
+      }
+      rows.push_back(std::move(row));
+    }
+    *log << nlohmann::json{{"memory_per_rank", rows}}.dump() << "\n";
+    log->flush();
+  }
+  if (!speak) return;
   auto rate = [](uint64_t bytes, double seconds) {
     return format_rate(seconds > 0 ? static_cast<double>(bytes) / seconds : 0);
   };
@@ -362,7 +405,9 @@ const Registration kTrain{
       sub.add_option("--seed", a->seed,
                      help("Seed of the initialisation and the data order", t::kSeed));
       sub.add_option("--data", a->data, "Text file to train on (default: the fortunes corpus)");
-      sub.add_option("--ranks", a->ranks, "Data-parallel ranks as local threads")
+      sub.add_option("--ranks", a->ranks,
+                     "Data-parallel ranks as local threads (under mpirun, srun or torchrun-style "
+                     "variables each process is one rank: docs/multi-node.md)")
           ->capture_default_str();
       sub.add_option("--stage", a->stage, help("ZeRO stage 0..3", t::kStage));
       sub.add_option("--offload-param", a->offload_param,
@@ -403,14 +448,16 @@ const Registration kTrain{
                      help("Global gradient-norm clipping, 0 = off", t::kGradientClipping));
       sub.add_option("--trace", a->trace,
                      help("Write a Chrome/Perfetto trace (tracks per rank: compute, comm, copy, "
-                          "NVMe read/write, CPU Adam)",
+                          "NVMe read/write, CPU Adam); under a launcher rank r writes its own, "
+                          "named with .rank<r> before the extension",
                           t::kTrace));
       sub.add_flag("--no-checksum", a->no_checksum,
                    "Turn off the XXH3 checksums of swapped blocks (zinf.checksum; default on). "
                    "Their cost is measured in docs/security.md");
       sub.add_option("--log-json", a->log_json,
                      "Write the effective settings ({\"settings\": ...}), the budgets chosen "
-                     "({\"budgets\": ...}) and then one JSON object per step to this file");
+                     "({\"budgets\": ...}), one JSON object per step and every rank's memory "
+                     "peaks ({\"memory_per_rank\": ...}) to this file (rank 0 writes it)");
       sub.add_option("--export", a->export_path, "Write the final fp32 weights (.safetensors)");
       sub.add_option("--save-dir", a->save_dir,
                      "Save checkpoints here (step-<N>/, and `latest`): every --save-every steps "

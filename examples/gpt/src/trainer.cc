@@ -15,11 +15,12 @@
 #include <new>
 #include <nlohmann/json.hpp>
 #include <thread>
+#include <type_traits>
 
 #include "zinf/ckpt/directory.h"
 #include "zinf/ckpt/manifest.h"
+#include "zinf/comm/factory.h"
 #include "zinf/comm/local.h"
-#include "zinf/comm/mpi.h"
 #include "zinf/core/units.h"
 #include "zinf/gpt/data.h"
 #include "zinf/gpt/model.h"
@@ -398,9 +399,15 @@ Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o
                         o.save_dir.empty() ? "" : fmt::format(" (saved in {})", o.save_dir));
     }
   }
-  {
+  // Every rank's memory row, for rank 0's table (ranks may be other processes).
+  static_assert(std::is_trivially_copyable_v<MemoryReport> && sizeof(MemoryReport) % 4 == 0);
+  const MemoryReport mine = engine.memory_report();
+  std::vector<MemoryReport> rows(world);
+  ZINF_RETURN_IF_ERROR(
+      comm.all_gather(&mine, rows.data(), sizeof(MemoryReport) / 4, DType::kF32).wait());
+  if (rank == 0) {
     std::lock_guard lock(shared.mu);
-    shared.memory[rank] = engine.memory_report();
+    shared.memory = std::move(rows);
   }
   // The consolidated fp32 weights (a collective: every rank takes part), only when asked for:
   // they are the whole model in memory.
@@ -503,7 +510,7 @@ Status check_train_options(const TrainOptions& o) {
   ZINF_RETURN_IF_ERROR(check_checkpoint_options(o));
   if (o.batch < 1) return make_error(ErrorCode::kInvalidArgument, "--batch must be at least 1");
   if (o.steps < 1) return make_error(ErrorCode::kInvalidArgument, "--steps must be at least 1");
-  if (!o.mpi && (o.ranks < 1 || o.ranks > 64)) {
+  if (!o.launch && (o.ranks < 1 || o.ranks > 64)) {
     return make_error(ErrorCode::kInvalidArgument, "--ranks must be 1..64, got {}", o.ranks);
   }
   const int T = o.seq > 0 ? o.seq : o.model.seq;
@@ -515,7 +522,7 @@ Status check_train_options(const TrainOptions& o) {
   // there, persistent units, the unit at work and its gradient); the host budget here.
   const uint64_t wsize = dtype_size(o.engine.dtype);
   const uint64_t unit = largest_unit_numel(o.model);
-  const int world = o.mpi ? 1 : o.ranks;
+  const int world = o.launch ? 1 : o.ranks;  // ranks in this process
   const uint64_t P = static_cast<uint64_t>(parameter_count(o.model));
   if (o.engine.optimizer_home == Tier::kHost && o.engine.host_mem &&
       o.engine.host_mem < 16 * unit / static_cast<uint64_t>(world) + (32ull << 20)) {
@@ -560,8 +567,8 @@ Result<TrainReport> train(const TrainOptions& o, const StepCallback& on_step,
 
   Shared shared;
   std::vector<Status> status;
-  if (o.mpi) {
-    ZINF_ASSIGN_OR_RETURN(auto comm, comm::make_mpi_communicator({.timeout = o.comm_timeout}));
+  if (o.launch) {
+    ZINF_ASSIGN_OR_RETURN(auto comm, comm::create_communicator(*o.launch));
     shared.memory.resize(comm->world_size());
     shared.report.world = comm->world_size();
     status.push_back(run_rank_guarded(*comm, o, data, shared, on_step, on_start));

@@ -6,10 +6,12 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "zinf/comm/communicator.h"
+#include "zinf/comm/env.h"
 #include "zinf/core/status.h"
 #include "zinf/engine/engine.h"
 #include "zinf/gpt/config.h"
@@ -26,8 +28,10 @@ struct TrainOptions {
   int steps = 100;
   uint64_t seed = 1;
   std::string data;  // text file; empty = the fortunes corpus
-  int ranks = 1;     // local threads (ignored under mpirun)
-  bool mpi = false;  // one rank per process (set when launched by mpirun)
+  int ranks = 1;     // local threads (ignored when `launch` is set)
+  // One rank per process, started by a launcher (mpirun, srun, ...): the rank, world and backend
+  // read from its environment (comm::comm_config_from_env). Unset: `ranks` local threads.
+  std::optional<comm::CommConfig> launch;
   // Bound on every wait for a peer (ZINF_COMM_TIMEOUT, read by the CLI). A rank that fails stops
   // its peers at once (Communicator::abort); this bounds the rest (a rank that hangs).
   std::chrono::milliseconds comm_timeout = comm::kDefaultTimeout;
@@ -73,7 +77,7 @@ struct StepLog {
 
 struct TrainReport {
   std::vector<StepLog> steps;
-  std::vector<MemoryReport> memory;  // per rank, at the end (peaks over the run)
+  std::vector<MemoryReport> memory;  // every rank's, at the end (peaks over the run; gathered)
   int world = 1;
   int64_t parameters = 0;          // unpadded
   uint64_t padded_parameters = 0;  // P of the ZeRO arithmetic
@@ -104,7 +108,8 @@ Status check_train_options(const TrainOptions& options);
 // nothing.
 Status check_output_file(std::string_view flag, const std::string& path);
 
-// Trains and returns what rank 0 saw (on other MPI ranks: their own view).
+// Trains and returns what rank 0 saw; `memory` holds every rank's row, gathered through the
+// communicator. Under a launcher, the other processes get their own view (no steps logged).
 Result<TrainReport> train(const TrainOptions& options, const StepCallback& on_step = {},
                           const StartCallback& on_start = {});
 

@@ -1,0 +1,48 @@
+#!/bin/sh
+# One run, one voice: `zinf train` started by a launcher, one process per rank, prints one banner,
+# one progress line per reported step and one summary whose memory table has every rank's row
+# filled (gathered through the communicator), and only rank 0 writes the JSON log, ending with
+# every rank's memory row.
+#
+#   one_voice.sh MPIEXEC ZINF DIR openmpi|slurm
+# slurm: the same mpirun launch with the variables srun sets instead of OpenMPI's (MPI itself
+# still starts through mpirun's PMIx), so that the rank and world come from SLURM_*.
+set -u
+mpiexec=$1 zinf=$2 dir=$3 mode=$4
+rm -rf "$dir" && mkdir -p "$dir" || exit 1
+if [ "$mode" = slurm ]; then
+  wrap='export SLURM_PROCID=$OMPI_COMM_WORLD_RANK SLURM_NTASKS=$OMPI_COMM_WORLD_SIZE SLURM_LOCALID=$OMPI_COMM_WORLD_LOCAL_RANK; unset OMPI_COMM_WORLD_RANK OMPI_COMM_WORLD_SIZE OMPI_COMM_WORLD_LOCAL_RANK; exec "$@"'
+  source_name="Slurm variables"
+else
+  wrap='exec "$@"'
+  source_name="OpenMPI variables"
+fi
+"$mpiexec" --allow-run-as-root --oversubscribe -np 2 sh -c "$wrap" sh \
+  "$zinf" train --model tiny --steps 20 --stage 3 --log-json "$dir/log.json" > "$dir/out" 2>&1
+rc=$?
+cat "$dir/out"
+fail() { echo "one_voice: $*"; exit 1; }
+[ $rc -eq 0 ] || fail "exit $rc"
+[ "$(grep -c '^zinf train:' "$dir/out")" -eq 1 ] || fail "not one banner"
+grep -q "^zinf train: .*2 ranks ($source_name, mpi backend)" "$dir/out" || fail "banner: world/source"
+[ "$(grep -c '^settings ' "$dir/out")" -eq 1 ] || fail "not one settings block"
+[ "$(grep -c '^step 20/20 ' "$dir/out")" -eq 1 ] || fail "not one last progress line"
+[ "$(grep -c '^loss .* -> ' "$dir/out")" -eq 1 ] || fail "not one summary"
+# The memory table: a row per rank, each with device bytes (no "0 B" device column).
+for r in 0 1; do
+  row=$(awk -v r="$r" '/^Memory per rank/ { t = 1; next } t && $1 == r { print; exit }' "$dir/out")
+  [ -n "$row" ] || fail "no memory row for rank $r"
+  case "$row" in
+    *"$r     0 B "*) fail "rank $r's memory row is empty: $row" ;;
+  esac
+done
+python3 - "$dir/log.json" <<'PY' || fail "log"
+import json, sys
+lines = [json.loads(l) for l in open(sys.argv[1])]
+steps = [l for l in lines if "step" in l]
+assert [s["step"] for s in steps] == list(range(1, 21)), "one line per step, from rank 0 only"
+rows = lines[-1]["memory_per_rank"]
+assert [r["rank"] for r in rows] == [0, 1], rows
+assert all(r["peak_bytes_device"] > 0 for r in rows), rows
+PY
+echo "one voice"
