@@ -1,11 +1,12 @@
 # Thin wrappers over CMake/CTest. `make run` and `make test` install what is missing, configure,
-# build, then run the main job / the test suite. `make test` runs the suite three times: the plain
-# build, the unit and integration tests under ASan+UBSan, and the threaded parts under TSan
-# (docs/testing.md says what runs where and why). `make fuzz` runs the libFuzzer targets.
+# build, then run the main job / the test suite. `make test` runs the suite four times: the plain
+# build, the build without MPI and CUDA, the unit and integration tests under ASan+UBSan, and the
+# threaded parts under TSan (docs/testing.md says what runs where and why). `make fuzz` runs the libFuzzer targets.
 BUILD_DIR  ?= build
 BUILD_TYPE ?= Release
 ASAN_DIR   ?= build-asan
 TSAN_DIR   ?= build-tsan
+NOMPI_DIR  ?= build-nompi
 FUZZ_DIR   ?= build-fuzz
 FUZZ_SECONDS ?= 60
 JOBS       ?= $(shell nproc)
@@ -21,7 +22,7 @@ DEPS := build-essential cmake ninja-build pkg-config ccache \
 
 ZINF := $(BUILD_DIR)/cli/zinf
 
-.PHONY: deps configure build test test-plain test-asan test-tsan fuzz run bench format clean
+.PHONY: deps configure build test test-plain test-nompi test-asan test-tsan fuzz run bench format clean
 
 deps:
 	@missing=$$(for p in $(DEPS); do \
@@ -40,10 +41,21 @@ configure: deps $(BUILD_DIR)/build.ninja
 build: configure
 	cmake --build $(BUILD_DIR) -j $(JOBS)
 
-test: test-plain test-asan test-tsan
+test: test-plain test-nompi test-asan test-tsan
 
 test-plain: build
 	ctest --test-dir $(BUILD_DIR) --output-on-failure -j $(JOBS) --timeout 600
+
+# The build without the optional backends (-DZINF_MPI=OFF -DZINF_CUDA=OFF): everything links
+# without them and every test that does not need them passes (the mpi and gpu tests are not
+# defined there). Most objects are the plain build's, from ccache.
+$(NOMPI_DIR)/build.ninja: | deps
+	cmake -S . -B $(NOMPI_DIR) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DZINF_MPI=OFF \
+	  -DZINF_CUDA=OFF -DZINF_BENCH=OFF
+
+test-nompi: $(NOMPI_DIR)/build.ninja
+	cmake --build $(NOMPI_DIR) -j $(JOBS)
+	ctest --test-dir $(NOMPI_DIR) --output-on-failure -j $(JOBS) --timeout 600
 
 # Sanitizer builds: no CUDA (nvcc takes no -fsanitize), no benchmarks; -O2 with line tables only
 # (symbolized reports for less compile time and disk than full debug info). Any report fails the
