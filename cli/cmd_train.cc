@@ -202,6 +202,8 @@ void run(const Args& a, const CLI::App& sub) {
     std::error_code ec;
     std::filesystem::create_directories(p, ec);
   }
+  // Before the space check: what dead runs left there is counted as free.
+  remove_stale_swap_directories(e.nvme_paths);
   if (!trace_path.empty()) {
     if (Status s = gpt::check_output_file("--trace", trace_path); !s.is_ok()) {
       throw CliError(s.detail(), 2);
