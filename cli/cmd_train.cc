@@ -423,8 +423,11 @@ const Registration kTrain{
                      help("Parameters on none, cpu or nvme; stage 3", t::kParamHome));
       sub.add_option("--offload-optimizer", a->offload_optimizer,
                      help("Optimizer state on none, cpu or nvme", t::kOptimizerHome));
-      sub.add_option("--nvme-path", a->nvme_paths,
-                     help("Swap directory (repeatable: striped)", t::kNvmePaths));
+      sub.add_option(
+          "--nvme-path", a->nvme_paths,
+          help("Swap directory (repeatable: striped); the zinf-<pid>-* directories of dead "
+               "zinf processes there are removed at start",
+               t::kNvmePaths));
       sub.add_option("--dtype", a->dtype, help("fp32 | bf16 | fp16 working precision", t::kDtype));
       sub.add_option("--prefetch-bucket", a->prefetch_bucket,
                      help("Stage 3: parameter elements all-gathered ahead along the recorded "
