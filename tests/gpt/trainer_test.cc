@@ -347,7 +347,9 @@ TEST(Trainer, InitFromCastsToTheWorkingDtypeRoundingToNearestEven) {
     const auto params_total = static_cast<uint64_t>(parameter_count(b.model));
     EXPECT_EQ(params_checked, params_total) << what;  // stage 3: each element once
     EXPECT_EQ(master_checked, params_total) << what;
-    if (dtype == DType::kBF16) EXPECT_GT(rounded_up, params_total / 4) << what;
+    if (dtype == DType::kBF16) {
+      EXPECT_GT(rounded_up, params_total / 4) << what;
+    }
   }
 }
 
