@@ -44,7 +44,7 @@ struct Args {
   int ranks = 1;
   std::string config;
   std::string log_json, export_path;
-  std::string save_dir, resume;
+  std::string save_dir, resume, init_from;
   int save_every = 0, keep = 0;
   int sample = 0;
   bool quiet = false;
@@ -178,6 +178,7 @@ void run(const Args& a, const CLI::App& sub) {
   o.save_every = a.save_every;
   o.keep = a.keep;
   o.resume = a.resume;
+  o.init_from = a.init_from;
   // A DeepSpeed JSON config sets what it names; flags given on the command line win; what
   // neither sets is the table's default (or zinf train's own).
   std::optional<config::Config> cfg;
@@ -201,6 +202,8 @@ void run(const Args& a, const CLI::App& sub) {
     std::error_code ec;
     std::filesystem::create_directories(p, ec);
   }
+  // Before the space check: what dead runs left there is counted as free.
+  remove_stale_swap_directories(e.nvme_paths);
   if (!trace_path.empty()) {
     if (Status s = gpt::check_output_file("--trace", trace_path); !s.is_ok()) {
       throw CliError(s.detail(), 2);
@@ -226,6 +229,7 @@ void run(const Args& a, const CLI::App& sub) {
                 e.stage, dtype_name(e.dtype).data(), tier_name(e.param_home).data(),
                 tier_name(e.optimizer_home).data());
     std::printf("%s", settings_block(ts).c_str());
+    if (!o.init_from.empty()) std::printf("initial weights from %s\n", o.init_from.c_str());
     std::fflush(stdout);
   }
   auto on_step = [&](const gpt::StepLog& s, int total) {
@@ -348,8 +352,12 @@ void run(const Args& a, const CLI::App& sub) {
                 format_bytes(static_cast<double>(report->save_bytes)).c_str(), report->save_seconds,
                 rate(report->save_bytes, report->save_seconds).c_str());
   }
-  std::printf("loss %.4f -> %.4f (chance: %.4f)\n", report->initial_loss, report->final_loss,
-              std::log(256.0));
+  if (report->steps.empty()) {
+    std::printf("no step taken (--steps %d)\n", o.steps);
+  } else {
+    std::printf("loss %.4f -> %.4f (chance: %.4f)\n", report->initial_loss, report->final_loss,
+                std::log(256.0));
+  }
   print_memory_table(*report, e.dtype);
   std::printf("  peak resident memory of this process: %s\n",
               format_bytes(static_cast<double>(peak_rss_bytes())).c_str());
@@ -389,7 +397,8 @@ const Registration kTrain{
       sub.add_option("--seq", a->seq, "Override the context length");
       sub.add_option("--batch", a->batch,
                      help("Sequences per rank per micro-step", t::kMicroBatch));
-      sub.add_option("--steps", a->steps, "Optimizer steps")->capture_default_str();
+      sub.add_option("--steps", a->steps, "Optimizer steps (0: only with --init-from)")
+          ->capture_default_str();
       sub.add_option("--lr", a->lr, help("Learning rate", t::kLr));
       sub.add_option(
           "--lr-schedule", a->lr_schedule,
@@ -414,8 +423,11 @@ const Registration kTrain{
                      help("Parameters on none, cpu or nvme; stage 3", t::kParamHome));
       sub.add_option("--offload-optimizer", a->offload_optimizer,
                      help("Optimizer state on none, cpu or nvme", t::kOptimizerHome));
-      sub.add_option("--nvme-path", a->nvme_paths,
-                     help("Swap directory (repeatable: striped)", t::kNvmePaths));
+      sub.add_option(
+          "--nvme-path", a->nvme_paths,
+          help("Swap directory (repeatable: striped); the zinf-<pid>-* directories of dead "
+               "zinf processes there are removed at start",
+               t::kNvmePaths));
       sub.add_option("--dtype", a->dtype, help("fp32 | bf16 | fp16 working precision", t::kDtype));
       sub.add_option("--prefetch-bucket", a->prefetch_bucket,
                      help("Stage 3: parameter elements all-gathered ahead along the recorded "
@@ -470,6 +482,12 @@ const Registration kTrain{
       sub.add_option("--resume", a->resume,
                      "Resume from a checkpoint: its directory, a --save-dir root, or `latest` "
                      "(the newest under --save-dir); --steps stays the total");
+      sub.add_option("--init-from", a->init_from,
+                     "Start from these weights (.safetensors from --export or `zinf checkpoint "
+                     "export`; F32, BF16 or F16) instead of the initialiser: every parameter, "
+                     "with its shape, and nothing else. A new run (step 0, fresh optimizer "
+                     "state), not with --resume; --steps 0 takes no step (then --export or "
+                     "--save-dir writes the weights as loaded)");
       sub.add_option("--sample", a->sample, "Generate this many bytes of text at the end");
       sub.add_flag("--quiet", a->quiet, "Print nothing but errors");
       sub.add_flag("--describe", a->describe,

@@ -114,5 +114,91 @@ TEST(Safetensors, HeadersThatDoNotDescribeTheBytesAreRefused) {
   EXPECT_FALSE(parse_safetensors(lying).is_ok());
 }
 
+void write_bytes(const std::string& path, const std::vector<uint8_t>& bytes) {
+  std::ofstream out(path, std::ios::binary);
+  out.write(reinterpret_cast<const char*>(bytes.data()),
+            static_cast<std::streamsize>(bytes.size()));
+}
+
+// The mapped reader (zinf train --init-from) reads what the writer wrote bit for bit, and BF16 and
+// F16 tensors widened exactly (against the scalar conversions of zinf/core/dtype.h), element by
+// element, at offsets that need not be aligned.
+TEST(SafetensorsFile, ReadsF32Bf16AndF16ElementByElement) {
+  zinf::testing::TempDir dir;
+  const float nan = std::bit_cast<float>(0x7fc00123u);
+  std::vector<NamedTensor> tensors = {{"a", {2, 2}, {1, -2.5f, nan, 1e-30f}}, {"b", {0}, {}}};
+  const std::string f32_path = dir.file("f32.safetensors");
+  ASSERT_TRUE(write_safetensors(f32_path, tensors).is_ok());
+  auto f = SafetensorsFile::open(f32_path);
+  ASSERT_TRUE(f.is_ok()) << f.status().to_string();
+  ASSERT_EQ(f->tensors().size(), 2u);
+  const TensorInfo* a = f->find("a");
+  ASSERT_NE(a, nullptr);
+  EXPECT_EQ(a->dtype, DType::kF32);
+  EXPECT_EQ(a->shape, (std::vector<int64_t>{2, 2}));
+  for (uint64_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(std::bit_cast<uint32_t>(f->value(*a, i)),
+              std::bit_cast<uint32_t>(tensors[0].data[i]));
+  }
+  EXPECT_EQ(f->find("c"), nullptr);
+
+  // Half-width tensors: a 3-byte odd header (no padding) puts the data at an odd offset.
+  const std::vector<uint16_t> halves = {0x3f80, 0xc020, 0x7fc1, 0x0001, 0x3c00, 0x8001};
+  std::vector<uint8_t> bytes(8);
+  const std::string header = R"({"x":{"dtype":"BF16","shape":[3],"data_offsets":[0,6]},)"
+                             R"("y":{"dtype":"F16","shape":[3],"data_offsets":[6,12]}} )";
+  const uint64_t n = header.size();
+  std::memcpy(bytes.data(), &n, 8);
+  bytes.insert(bytes.end(), header.begin(), header.end());
+  const auto* raw = reinterpret_cast<const uint8_t*>(halves.data());
+  bytes.insert(bytes.end(), raw, raw + halves.size() * 2);
+  const std::string half_path = dir.file("half.safetensors");
+  write_bytes(half_path, bytes);
+  auto h = SafetensorsFile::open(half_path);
+  ASSERT_TRUE(h.is_ok()) << h.status().to_string();
+  const TensorInfo* x = h->find("x");
+  const TensorInfo* y = h->find("y");
+  ASSERT_TRUE(x && y);
+  EXPECT_EQ(x->dtype, DType::kBF16);
+  EXPECT_EQ(y->dtype, DType::kF16);
+  for (uint64_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(std::bit_cast<uint32_t>(h->value(*x, i)),
+              std::bit_cast<uint32_t>(bf16_to_f32(halves[i])));
+    EXPECT_EQ(std::bit_cast<uint32_t>(h->value(*y, i)),
+              std::bit_cast<uint32_t>(f16_to_f32(halves[3 + i])));
+  }
+  // Moved, the mapping goes with it.
+  SafetensorsFile moved = std::move(*h);
+  EXPECT_EQ(moved.value(*x, 0), 1.0f);
+}
+
+// The mapped reader refuses what parse_safetensors refuses, names the file, and refuses a dtype
+// it cannot widen to fp32 naming the tensor.
+TEST(SafetensorsFile, RefusesBadFilesNamingThem) {
+  zinf::testing::TempDir dir;
+  const std::vector<float> two = {1, 2};
+  const std::vector<std::pair<std::vector<uint8_t>, std::string>> cases = {
+      {file_of(R"({"w":{"dtype":"F64","shape":[1],"data_offsets":[0,8]}})", two),
+       "tensor 'w': dtype F64 (not convertible to fp32"},
+      {file_of(R"({"w":{"dtype":"BF16","shape":[3],"data_offsets":[0,8]}})", two),
+       "3 elements in 8 bytes"},
+      {file_of(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", two),
+       "end at byte 4 of a data section of 8"},
+      {{1, 2, 3}, "no header length"},
+  };
+  int i = 0;
+  for (const auto& [bytes, why] : cases) {
+    const std::string path = dir.file(fmt::format("bad{}.safetensors", i++));
+    write_bytes(path, bytes);
+    auto r = SafetensorsFile::open(path);
+    ASSERT_FALSE(r.is_ok()) << why;
+    EXPECT_NE(r.status().message().find(why), std::string::npos) << r.status().message();
+    EXPECT_NE(r.status().message().find(path), std::string::npos) << r.status().message();
+  }
+  auto missing = SafetensorsFile::open(dir.file("missing.safetensors"));
+  ASSERT_FALSE(missing.is_ok());
+  EXPECT_EQ(missing.status().code(), ErrorCode::kNotFound);
+}
+
 }  // namespace
 }  // namespace zinf::gpt

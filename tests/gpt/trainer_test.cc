@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -13,6 +14,8 @@
 #include <set>
 
 #include "../io/test_dir.h"
+#include "zinf/ckpt/files.h"
+#include "zinf/ckpt/manifest.h"
 #include "zinf/core/trace.h"
 
 namespace zinf::gpt {
@@ -273,6 +276,80 @@ TEST(Trainer, ResumeIsExactInEveryStageAndOffloadMode) {
     ASSERT_FALSE(other.is_ok()) << what;
     EXPECT_NE(other.status().message().find("give --seed 1"), std::string::npos)
         << other.status().to_string();
+  }
+}
+
+// --init-from into mixed precision: in the step-0 checkpoint of a run started from fp32 weights
+// (stage 3, 2 ranks, everything on NVMe), every element of every rank's working parameters is the
+// file's value rounded to nearest even (bf16, fp16: the engine's cast kernels) and every element
+// of the fp32 master is the file's value itself. Rounding matters for many elements (truncation
+// would differ): the comparison is not vacuous.
+TEST(Trainer, InitFromCastsToTheWorkingDtypeRoundingToNearestEven) {
+  zinf::testing::TempDir nvme, dir;
+  TrainOptions o = tiny_options();
+  o.steps = 2;  // trained weights: not representable in 16 bits
+  o.export_path = dir.file("a.safetensors");
+  ASSERT_TRUE(train(o).is_ok());
+  auto file = SafetensorsFile::open(o.export_path);
+  ASSERT_TRUE(file.is_ok()) << file.status().to_string();
+  for (DType dtype : {DType::kBF16, DType::kF16}) {
+    const std::string what(dtype_name(dtype));
+    TrainOptions b = options_for({3, Tier::kNvme, Tier::kNvme}, nvme.path());
+    b.engine.dtype = dtype;
+    b.init_from = o.export_path;
+    b.steps = 0;
+    b.save_dir = dir.file("ck-" + what);
+    auto r = train(b);
+    ASSERT_TRUE(r.is_ok()) << what << ": " << r.status().to_string();
+    ASSERT_EQ(r->last_checkpoint, b.save_dir + "/step-0") << what;
+    auto m = ckpt::read_manifest(r->last_checkpoint);
+    ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+    uint64_t params_checked = 0, master_checked = 0, rounded_up = 0;
+    for (const ckpt::RankEntry& rank : m->ranks) {
+      for (const ckpt::SegmentEntry& seg : rank.segments) {
+        const bool params = seg.kind == ckpt::kParams;
+        if (!params && seg.kind != ckpt::kMaster) continue;
+        ASSERT_EQ(seg.dtype, params ? dtype : DType::kF32) << what;
+        const ckpt::FileDigest* digest = nullptr;
+        for (const ckpt::FileDigest& f : rank.files) digest = f.name == seg.file ? &f : digest;
+        ASSERT_NE(digest, nullptr) << seg.file;
+        auto reader = ckpt::ShardReader::open(r->last_checkpoint, *digest);
+        ASSERT_TRUE(reader.is_ok()) << reader.status().to_string();
+        const ckpt::UnitEntry& unit = m->units[seg.unit];
+        const uint64_t esize = dtype_size(seg.dtype);
+        std::vector<uint8_t> bytes((seg.flat_end - seg.flat_begin) * esize);
+        ASSERT_TRUE(reader->read_at(seg.offset, bytes.data(), bytes.size()).is_ok());
+        for (const ckpt::ParamEntry& p : unit.params) {
+          const TensorInfo* t = file->find(unit.name + "." + p.name);
+          ASSERT_NE(t, nullptr) << p.name;
+          const uint64_t begin = std::max(p.offset, seg.flat_begin);
+          const uint64_t end = std::min(p.offset + p.numel, seg.flat_end);
+          for (uint64_t x = begin; x < end; ++x) {
+            const float v = file->value(*t, x - p.offset);
+            const uint8_t* at = bytes.data() + (x - seg.flat_begin) * esize;
+            if (params) {
+              uint16_t h;
+              std::memcpy(&h, at, 2);
+              const uint16_t want = dtype == DType::kBF16 ? f32_to_bf16(v) : f32_to_f16(v);
+              ASSERT_EQ(h, want) << what << " " << unit.name << "." << p.name << "[" << x << "]";
+              rounded_up += dtype == DType::kBF16 && want != (f32_bits(v) >> 16);
+              ++params_checked;
+            } else {
+              uint32_t bits;
+              std::memcpy(&bits, at, 4);
+              ASSERT_EQ(bits, f32_bits(v)) << what << " master " << p.name << "[" << x << "]";
+              ++master_checked;
+            }
+          }
+        }
+      }
+    }
+    const auto params_total = static_cast<uint64_t>(parameter_count(b.model));
+    EXPECT_EQ(params_checked, params_total) << what;  // stage 3: each element once
+    EXPECT_EQ(master_checked, params_total) << what;
+    if (dtype == DType::kBF16) {
+      EXPECT_GT(rounded_up, params_total / 4) << what;
+    }
   }
 }
 

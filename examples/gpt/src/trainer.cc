@@ -1,6 +1,7 @@
 #include "zinf/gpt/trainer.h"
 
 #include <fcntl.h>
+#include <fmt/ranges.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -14,6 +15,7 @@
 #include <mutex>
 #include <new>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <thread>
 #include <type_traits>
 
@@ -66,6 +68,72 @@ InitFn make_init(const GptConfig& cfg) {
     --it;
     return init_value(it->spec, element - it->offset, seed, unit);
   };
+}
+
+// The Engine's InitFn from a safetensors file: element `element` of unit `unit` is read from the
+// mapped file (widened to fp32; the engine casts to the working dtype, rounding to nearest even).
+// Every parameter of the model must be in the file with its shape, and nothing else: an error
+// lists what differs, naming the tensors and the file.
+Result<InitFn> make_file_init(const GptConfig& cfg, const std::string& path) {
+  auto opened = SafetensorsFile::open(path);
+  if (!opened.is_ok()) return std::move(opened).take_status().with_context("--init-from");
+  auto file = std::make_shared<const SafetensorsFile>(std::move(*opened));
+  struct Entry {
+    uint64_t offset;
+    const TensorInfo* tensor;
+  };
+  auto table = std::make_shared<std::vector<std::vector<Entry>>>();
+  std::vector<std::string> problems;
+  std::set<std::string> model_names;
+  auto shape_text = [](const std::vector<int64_t>& shape) {
+    return fmt::format("[{}]", fmt::join(shape, ", "));
+  };
+  for (int u = 0; u < cfg.num_units(); ++u) {
+    std::vector<Entry> entries;
+    uint64_t offset = 0;
+    for (const ParamSpec& p : unit_params(unit_kind(cfg, u), cfg)) {
+      const std::string name = unit_name(cfg, u) + "." + p.name;
+      model_names.insert(name);
+      const TensorInfo* t = file->find(name);
+      if (t == nullptr) {
+        problems.push_back(fmt::format("the model's parameter '{}' {} is not in the file", name,
+                                       shape_text(p.shape)));
+      } else if (t->shape != p.shape) {
+        problems.push_back(fmt::format("tensor '{}' has shape {}, the model's parameter {}", name,
+                                       shape_text(t->shape), shape_text(p.shape)));
+      }
+      entries.push_back({offset, t});
+      uint64_t n = 1;
+      for (int64_t d : p.shape) n *= static_cast<uint64_t>(d);
+      offset += n;
+    }
+    table->push_back(std::move(entries));
+  }
+  for (const TensorInfo& t : file->tensors()) {
+    if (!model_names.count(t.name)) {
+      problems.push_back(fmt::format("tensor '{}' {} is not a parameter of the model", t.name,
+                                     shape_text(t.shape)));
+    }
+  }
+  if (!problems.empty()) {
+    constexpr size_t kNamed = 8;
+    std::string list;
+    for (size_t i = 0; i < std::min(problems.size(), kNamed); ++i) {
+      list += (i == 0 ? "" : "; ") + problems[i];
+    }
+    if (problems.size() > kNamed) list += fmt::format("; and {} more", problems.size() - kNamed);
+    return make_error(ErrorCode::kInvalidArgument,
+                      "--init-from {}: the file does not hold this model's parameters ({}: {} "
+                      "difference{}): {}",
+                      path, describe(cfg), problems.size(), problems.size() == 1 ? "" : "s", list);
+  }
+  return InitFn([file, table](size_t unit, uint64_t element, uint64_t /*seed*/) {
+    const auto& entries = (*table)[unit];
+    auto it = std::upper_bound(entries.begin(), entries.end(), element,
+                               [](uint64_t e, const Entry& x) { return e < x.offset; });
+    --it;
+    return file->value(*it->tensor, element - it->offset);
+  });
 }
 
 struct GatherFailed {
@@ -198,6 +266,7 @@ struct Shared {
   TrainReport report;
   std::vector<MemoryReport> memory;
   Status first_failure;  // the rank error that came first: the cause, not a peer's echo of it
+  InitFn init;           // the initial values: the model's initialiser, or --init-from's file
 };
 
 // `body()`, with an exception (an allocation the system refused, say) turned into an error: a
@@ -288,7 +357,7 @@ Result<int64_t> resume_from(Engine& engine, const TrainOptions& o, Shared& share
 Status run_rank(comm::Communicator& comm, const TrainOptions& o, const TextDataset& data,
                 Shared& shared, const StepCallback& on_step, const StartCallback& on_start) {
   ZINF_ASSIGN_OR_RETURN(auto engine,
-                        Engine::create(o.engine, comm, engine_units(o.model), make_init(o.model)));
+                        Engine::create(o.engine, comm, engine_units(o.model), shared.init));
   if (comm.rank() == 0 && on_start) on_start(engine->settings(), engine->budgets());
   ZINF_ASSIGN_OR_RETURN(optim::LrSchedule schedule,
                         optim::LrSchedule::create(o.lr_schedule, o.engine.adam.lr));
@@ -315,6 +384,30 @@ Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o
   int64_t first_step = 0;
   if (!o.resume.empty()) {
     ZINF_ASSIGN_OR_RETURN(first_step, resume_from(engine, o, shared));
+  }
+  auto save = [&](int64_t step) -> Status {
+    const auto t0 = std::chrono::steady_clock::now();
+    ZINF_ASSIGN_OR_RETURN(
+        std::string dir,
+        engine.save_checkpoint(
+            o.save_dir,
+            {.step = step, .keep = o.keep, .user_state = checkpoint_user_state(o, step)}));
+    if (rank == 0) {
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      auto m = ckpt::read_manifest(dir);
+      std::lock_guard lock(shared.mu);
+      shared.report.save_seconds += seconds;
+      shared.report.save_bytes += m.is_ok() ? m->total_bytes() : 0;
+      ++shared.report.saves;
+      shared.report.last_checkpoint = std::move(dir);
+    }
+    return Status::ok();
+  };
+  // --init-from with --steps 0: no step; the weights as loaded are saved as step 0 (a checkpoint
+  // to resume from, or to export in another dtype).
+  if (!o.init_from.empty() && o.steps == 0 && !o.save_dir.empty()) {
+    ZINF_RETURN_IF_ERROR(save(0));
   }
   for (int64_t step = first_step; step < o.steps; ++step) {
     auto t0 = std::chrono::steady_clock::now();
@@ -352,22 +445,7 @@ Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o
     ZINF_RETURN_IF_ERROR(engine.step());
     if (!o.save_dir.empty() &&
         ((o.save_every > 0 && (step + 1) % o.save_every == 0) || step + 1 == o.steps || stopping)) {
-      const auto t0 = std::chrono::steady_clock::now();
-      ZINF_ASSIGN_OR_RETURN(
-          std::string dir,
-          engine.save_checkpoint(o.save_dir, {.step = step + 1,
-                                              .keep = o.keep,
-                                              .user_state = checkpoint_user_state(o, step + 1)}));
-      if (rank == 0) {
-        const double seconds =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        auto m = ckpt::read_manifest(dir);
-        std::lock_guard lock(shared.mu);
-        shared.report.save_seconds += seconds;
-        shared.report.save_bytes += m.is_ok() ? m->total_bytes() : 0;
-        ++shared.report.saves;
-        shared.report.last_checkpoint = std::move(dir);
-      }
+      ZINF_RETURN_IF_ERROR(save(step + 1));
     }
     double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (rank == 0) {
@@ -507,9 +585,23 @@ Status check_train_options(const TrainOptions& o) {
   ZINF_RETURN_IF_ERROR(optim::LrSchedule::create(o.lr_schedule, o.engine.adam.lr).status());
   if (!o.export_path.empty()) ZINF_RETURN_IF_ERROR(check_output_file("--export", o.export_path));
   if (!o.log_json.empty()) ZINF_RETURN_IF_ERROR(check_output_file("--log-json", o.log_json));
+  if (!o.init_from.empty() && !o.resume.empty()) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "--init-from and --resume exclude each other: --resume continues a run from "
+                      "its checkpoint (weights, optimizer state and step), --init-from starts a "
+                      "new one from weights alone");
+  }
   ZINF_RETURN_IF_ERROR(check_checkpoint_options(o));
+  if (!o.init_from.empty()) {
+    // Opened and checked against the model here, before anything is allocated.
+    ZINF_RETURN_IF_ERROR(make_file_init(o.model, o.init_from).status());
+  }
   if (o.batch < 1) return make_error(ErrorCode::kInvalidArgument, "--batch must be at least 1");
-  if (o.steps < 1) return make_error(ErrorCode::kInvalidArgument, "--steps must be at least 1");
+  if (o.steps < 0 || (o.steps == 0 && o.init_from.empty())) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "--steps must be at least 1 (0 only with --init-from, to export or save the "
+                      "weights it loads)");
+  }
   if (!o.launch && (o.ranks < 1 || o.ranks > 64)) {
     return make_error(ErrorCode::kInvalidArgument, "--ranks must be 1..64, got {}", o.ranks);
   }
@@ -566,6 +658,11 @@ Result<TrainReport> train(const TrainOptions& o, const StepCallback& on_step,
   ZINF_RETURN_IF_ERROR(data.check_window(T));
 
   Shared shared;
+  if (o.init_from.empty()) {
+    shared.init = make_init(o.model);
+  } else {
+    ZINF_ASSIGN_OR_RETURN(shared.init, make_file_init(o.model, o.init_from));
+  }
   std::vector<Status> status;
   if (o.launch) {
     ZINF_ASSIGN_OR_RETURN(auto comm, comm::create_communicator(*o.launch));

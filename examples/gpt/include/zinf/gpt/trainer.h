@@ -49,6 +49,13 @@ struct TrainOptions {
   int save_every = 0;
   int keep = 0;
   std::string resume;
+  // Initial weights from a safetensors file (`zinf train --export`, `zinf checkpoint export`: F32,
+  // BF16 or F16) instead of the model's initialiser: its tensors must be the model's parameters
+  // ("<unit>.<parameter>") with their shapes, no more and no fewer. The run starts at step 0 with
+  // zero optimizer state; each rank reads the elements it holds from the mapped file. Not with
+  // `resume` (a checkpoint holds the weights already). With steps = 0 the run takes no step: the
+  // weights are exported (export_path) or saved as a step-0 checkpoint (save_dir) as loaded.
+  std::string init_from;
   // Clean shutdown: when set (non-zero, e.g. the number of a signal received) the ranks agree to
   // stop after the current step, a checkpoint is saved when save_dir is given, and train()
   // returns kCancelled naming the step (the engines, and with them the swap files, are gone).
