@@ -5,7 +5,11 @@
 # both. Prints the state size, the budgets, the peak resident memory of the process, and the NVMe
 # traffic per step against the ZeRO-Infinity arithmetic.
 #
-#   bench/beyond_ram.sh [NVME_DIR] [PRESET]        (env: ZINF=build/cli/zinf, BUDGET=, SEQ=32)
+# With SAVE=1 the run also saves a checkpoint after its last step (under NVME_DIR/ckpt), then
+# `zinf checkpoint export` writes it as safetensors; each process's peak RSS (/usr/bin/time) is
+# printed against the budgets and the state, with the save and export rates.
+#
+#   bench/beyond_ram.sh [NVME_DIR] [PRESET]   (env: ZINF=build/cli/zinf, BUDGET=, SEQ=32, SAVE=)
 set -euo pipefail
 DIR=${1:-.zinf/beyond}
 PRESET=${2:-2b}
@@ -14,10 +18,15 @@ BUDGET=${BUDGET:-}
 BUDGET_FLAGS=()
 [ -n "$BUDGET" ] && BUDGET_FLAGS=(--device-mem "$BUDGET" --host-mem "$BUDGET")
 SEQ=${SEQ:-32}
+SAVE=${SAVE:-}
 [ -x "$ZINF" ] || { echo "$ZINF not found: build first (make build)" >&2; exit 1; }
 mkdir -p "$DIR"
 LOG=$(mktemp)
-trap 'rm -f "$LOG"' EXIT
+OUT=$(mktemp)
+TIMES=$(mktemp)
+trap 'rm -f "$LOG" "$OUT" "$TIMES"' EXIT
+SAVE_FLAGS=()
+[ -n "$SAVE" ] && SAVE_FLAGS=(--save-dir "$DIR/ckpt" --save-every 2 --keep 1)
 
 ram=$(($(awk '/MemTotal/ { print $2 }' /proc/meminfo) * 1024))
 state=$("$ZINF" train --model "$PRESET" --describe | python3 -c 'import json,sys; print(json.load(sys.stdin)["training_state_bytes_fp32"])')
@@ -27,13 +36,20 @@ if [ "$state" -le "$ram" ]; then
   echo "note: the training state of $PRESET fits in RAM here; pick a larger preset" >&2
 fi
 
-"$ZINF" train --model "$PRESET" --ranks 1 --stage 3 --offload-param nvme --offload-optimizer nvme \
+/usr/bin/time -f "train %M %e" -a -o "$TIMES" \
+  "$ZINF" train --model "$PRESET" --ranks 1 --stage 3 --offload-param nvme --offload-optimizer nvme \
   --nvme-path "$DIR" "${BUDGET_FLAGS[@]}" --batch 1 --seq "$SEQ" \
-  --steps 2 --lr 1e-5 --log-json "$LOG"
+  --steps 2 --lr 1e-5 --log-json "$LOG" "${SAVE_FLAGS[@]}" | tee "$OUT"
+if [ -n "$SAVE" ]; then
+  /usr/bin/time -f "export %M %e" -a -o "$TIMES" \
+    "$ZINF" checkpoint export "$DIR/ckpt" --out "$DIR/export.safetensors"
+  echo "checkpoint $(du -sb "$DIR/ckpt" | cut -f1) bytes, export $(stat -c %s "$DIR/export.safetensors") bytes"
+fi
 
-python3 - "$LOG" "$state" "$params" <<'PY'
-import json, sys
+python3 - "$LOG" "$state" "$params" "$TIMES" "$OUT" "$DIR" "$SAVE" <<'PY'
+import json, os, re, sys
 log, state, params = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+times, out, nvme_dir, save = sys.argv[4], sys.argv[5], sys.argv[6], sys.argv[7]
 lines = list(map(json.loads, open(log)))  # {"settings": ...}, {"budgets": ...}, then the steps
 steps = [s for s in lines if "step" in s]
 budgets = next((s["budgets"] for s in lines if "budgets" in s), {})
@@ -56,5 +72,26 @@ print(json.dumps({"parameters": params, "training_state_bytes": state, "peak_rss
                   "predicted_read_bytes": pred_read, "predicted_written_bytes": pred_write}))
 print("peak RSS is {:.1%} of the training state: {}".format(
     rss / state, "target met (<= 25%)" if rss <= state / 4 else "target missed (> 25%)"))
+if save:
+    # Peak RSS of each whole process (/usr/bin/time, KiB), the save as the trainer reports it.
+    procs = {w[0]: (int(w[1]) * 1024, float(w[2])) for w in map(str.split, open(times))}
+    m = re.search(r"\((\d+) saved: .* in ([0-9.]+) s", open(out).read())
+    save_s = float(m.group(2)) if m else None
+    ckpt = sum(os.path.getsize(os.path.join(d, f))
+               for d, _, fs in os.walk(os.path.join(nvme_dir, "ckpt")) for f in fs)
+    export = os.path.getsize(os.path.join(nvme_dir, "export.safetensors"))
+    budget = (budgets.get("device_bytes") or 0) + (budgets.get("host_bytes") or 0)
+    result = {"checkpoint_bytes": ckpt, "save_seconds": save_s,
+              "save_bytes_per_second": ckpt / save_s if save_s else None,
+              "train_and_save_peak_rss_bytes": procs["train"][0],
+              "export_bytes": export, "export_seconds": procs["export"][1],
+              "export_bytes_per_second": export / procs["export"][1],
+              "export_peak_rss_bytes": procs["export"][0], "budget_bytes": budget}
+    print(json.dumps(result))
+    for what in ("train_and_save", "export"):
+        r = result[what + "_peak_rss_bytes"]
+        print(f"{what}: peak RSS {r / 2**30:.2f} GiB = {r / state:.1%} of the state "
+              f"({r / budget:.2f}x the device + host budgets)" if budget else "")
 PY
 rm -rf "$DIR"/zinf-*
+if [ -n "$SAVE" ]; then rm -rf "$DIR/ckpt" "$DIR/export.safetensors"; fi
