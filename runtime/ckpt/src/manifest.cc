@@ -117,14 +117,13 @@ Result<RankEntry> rank_from_json(const json& j, const std::string& where) {
     for (const json& f : j.at("files")) {
       FileDigest d{.name = f.at("name").get<std::string>(),
                    .bytes = integer_at<uint64_t>(f, "bytes")};
-      d.xxh3 = xxh3_from_hex(f.at("xxh3").get<std::string>(), d.name);
       // A NUL would end the name where open(2) reads it: another file than the one named.
       if (d.name.empty() || d.name.find_first_of(std::string("/\0", 2)) != std::string::npos ||
           d.name[0] == '.') {
-        return make_error(ErrorCode::kCorrupt,
-                          "{}: rank {} names a file '{}' outside the directory", where, r.rank,
-                          d.name);
+        return make_error(ErrorCode::kCorrupt, "{}: rank {} names a file {} outside the directory",
+                          where, r.rank, json(d.name).dump());  // quoted, a NUL escaped
       }
+      d.xxh3 = xxh3_from_hex(f.at("xxh3").get<std::string>(), d.name);
       // Loaders open a file by its name: two entries would check a segment against one and read
       // it through the other.
       if (!sizes.emplace(d.name, d.bytes).second) {
