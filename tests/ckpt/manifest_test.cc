@@ -209,5 +209,31 @@ TEST(Manifest, AParameterLiesInsideItsUnitAndHoldsItsShapesElements) {
   }
 }
 
+// Copying or writing JSON recurses once per level: a 2 MB manifest whose `user` nested a million
+// levels deep crashed the reader with a stack overflow.
+TEST(Manifest, StateNestedTooDeeplyIsRefusedNotAStackOverflow) {
+  const std::string deep = std::string(1000000, '[') + std::string(1000000, ']');
+  for (const char* key : {"user", "engine"}) {
+    std::string text = two_ranks_json().dump();
+    const std::string at = fmt::format("\"{}\":{{", key);
+    ASSERT_NE(text.find(at), std::string::npos);
+    text.insert(text.find(at) + at.size(), "\"deep\":" + deep + ",");
+    Result<Manifest> m = parse_manifest(text, kPath);
+    ASSERT_FALSE(m.is_ok());
+    EXPECT_EQ(m.status().code(), ErrorCode::kCorrupt);
+    EXPECT_NE(m.status().message().find(fmt::format("'{}' nests 1000001 levels", key)),
+              std::string::npos)
+        << m.status().message();
+  }
+  json j = two_ranks_json();
+  json nested = json::array();
+  for (int level = 2; level < kMaxStateDepth; ++level) nested = json::array({nested});
+  j["user"] = {{"nested", nested}};
+  ASSERT_EQ(json_depth(j["user"]), kMaxStateDepth);
+  EXPECT_TRUE(parse_manifest(j.dump(), kPath).is_ok());
+  j["user"] = {{"nested", json::array({nested})}};
+  expect_refused(j, {"'user'", "65 levels"});
+}
+
 }  // namespace
 }  // namespace zinf::ckpt

@@ -158,4 +158,5 @@ broken("ranks_swapped", lambda m: m["ranks"].reverse())
 broken("param_past_unit", lambda m: m["units"][1]["params"][1].update(offset=66))
 broken("shape_mismatch", lambda m: m["units"][0]["params"][0].update(shape=[8, 8]))
 broken("param_named_twice", lambda m: m["units"][0]["params"][1].update(name="w"))
-broken("deep_user", lambda m: m.update(user=json.loads("[" * 64 + "]" * 64)))
+broken("user_64_levels", lambda m: m.update(user=json.loads("[" * 64 + "]" * 64)))  # the most
+broken("engine_65_levels", lambda m: m.update(engine={"deep": json.loads("[" * 64 + "]" * 64)}))

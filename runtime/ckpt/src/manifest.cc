@@ -2,11 +2,14 @@
 
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <limits>
 #include <map>
 #include <set>
 #include <stdexcept>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 namespace zinf::ckpt {
 namespace {
@@ -85,6 +88,20 @@ json file_json(const FileDigest& f) {
 }
 
 }  // namespace
+
+int json_depth(const json& j) {
+  int deepest = 0;
+  std::vector<std::pair<const json*, int>> todo{{&j, 1}};
+  while (!todo.empty()) {
+    const auto [v, depth] = todo.back();
+    todo.pop_back();
+    deepest = std::max(deepest, depth);
+    if (v->is_structured()) {
+      for (const json& child : *v) todo.push_back({&child, depth + 1});
+    }
+  }
+  return deepest;
+}
 
 uint64_t Manifest::total_bytes() const {
   uint64_t n = 0;
@@ -233,6 +250,12 @@ Result<Manifest> parse_manifest(const std::string& text, const std::string& path
         return make_error(ErrorCode::kCorrupt, "{}: {}", path, problem);
       }
       m.units.push_back(std::move(e));
+    }
+    for (const char* key : {"engine", "user"}) {
+      if (const int depth = json_depth(j.at(key)); depth > kMaxStateDepth) {
+        return make_error(ErrorCode::kCorrupt, "{}: '{}' nests {} levels deep, more than {}", path,
+                          key, depth, kMaxStateDepth);
+      }
     }
     m.engine = j.at("engine");
     m.user = j.at("user");

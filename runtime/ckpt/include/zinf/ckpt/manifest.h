@@ -75,6 +75,13 @@ struct Manifest {
   uint64_t total_bytes() const;
 };
 
+// The deepest nesting `engine` and `user` may have (a scalar is 1 level, `{"a": 1}` 2): copying
+// or writing JSON recurses once per level, so parse_manifest refuses deeper state (kCorrupt)
+// instead of overflowing its stack, and save_checkpoint refuses to write it.
+inline constexpr int kMaxStateDepth = 64;
+// The nesting depth of `j`, found without recursion.
+int json_depth(const nlohmann::json& j);
+
 nlohmann::json to_json(const RankEntry& r);
 Result<RankEntry> rank_from_json(const nlohmann::json& j, const std::string& where);
 std::string to_json_text(const Manifest& m);
@@ -89,6 +96,7 @@ std::string to_json_text(const Manifest& m);
 //    numel_padded, and its bytes lie inside the file (computed without wrapping around);
 //  - in each unit numel <= numel_padded, and its parameters have distinct names, lie inside
 //    [0, numel) and have shapes of positive dimensions whose product is their numel.
+//  - `engine` and `user` nest at most kMaxStateDepth levels.
 Result<Manifest> parse_manifest(const std::string& text, const std::string& path);
 Result<Manifest> read_manifest(const std::string& dir);
 
