@@ -95,7 +95,7 @@ std::string to_json_text(const Manifest& m);
 //  - each segment names a unit and a file of its own rank, flat_begin <= flat_end <= the unit's
 //    numel_padded, and its bytes lie inside the file (computed without wrapping around);
 //  - in each unit numel <= numel_padded, and its parameters have distinct names, lie inside
-//    [0, numel) and have shapes of positive dimensions whose product is their numel.
+//    [0, numel) and have shapes of positive dimensions whose product is their numel;
 //  - `engine` and `user` nest at most kMaxStateDepth levels.
 Result<Manifest> parse_manifest(const std::string& text, const std::string& path);
 Result<Manifest> read_manifest(const std::string& dir);
