@@ -117,7 +117,8 @@ test-tsan: $(TSAN_DIR)/build.ninja
 # libFuzzer targets (tests/fuzz): clang, ASan+UBSan, each run FUZZ_SECONDS from its seed corpus
 # (tests/fuzz/corpus/<target>, copied: what libFuzzer adds stays in $(FUZZ_DIR)). Fails on the
 # first crash, leak, sanitizer report or timeout; the input that did it is left in $(FUZZ_DIR).
-FUZZ_TARGETS := fuzz_config fuzz_store_frames fuzz_safetensors_read fuzz_safetensors_roundtrip
+FUZZ_TARGETS := fuzz_config fuzz_store_frames fuzz_safetensors_read fuzz_safetensors_roundtrip \
+                fuzz_ckpt_manifest
 $(FUZZ_DIR)/build.ninja: | deps
 	cmake -S . -B $(FUZZ_DIR) $(SAN_CMAKE) -DCMAKE_C_COMPILER=clang-14 \
 	  -DCMAKE_CXX_COMPILER=clang++-14 -DZINF_SANITIZE=address,undefined -DZINF_FUZZ=ON \

@@ -264,6 +264,30 @@ TEST(Checkpoint, KeepRemovesTheOlderOnesAndLatestNamesTheNewest) {
   EXPECT_EQ(names, (std::vector<std::string>{"latest", "step-3", "step-4"}));
 }
 
+// The reader refuses `user` state nested deeper than ckpt::kMaxStateDepth (copying it would
+// recurse that deep); a save refuses to write it rather than leave a checkpoint that cannot load.
+TEST(Checkpoint, UserStateTheReaderWouldRefuseIsNotSaved) {
+  TempDir nvme, ckpt;
+  auto group = comm::make_local_group(1).value();
+  auto engine = Engine::create(settings_for(kModes[0], DType::kF32, nvme.path()), *group[0],
+                               testing::mlp_units(MlpShape{}), testing::mlp_init);
+  ASSERT_TRUE(engine.is_ok()) << engine.status().to_string();
+  auto nested = [](int levels) { return std::string(levels, '[') + std::string(levels, ']'); };
+  auto refused = (*engine)->save_checkpoint(
+      ckpt.path(), {.step = 1, .user_state = nested(ckpt::kMaxStateDepth + 1)});
+  ASSERT_FALSE(refused.is_ok());
+  EXPECT_EQ(refused.status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("nests 65 levels deep"), std::string::npos)
+      << refused.status().to_string();
+  EXPECT_TRUE(std::filesystem::is_empty(ckpt.path()));  // no step, no temporary directory
+  auto saved = (*engine)->save_checkpoint(ckpt.path(),
+                                          {.step = 2, .user_state = nested(ckpt::kMaxStateDepth)});
+  ASSERT_TRUE(saved.is_ok()) << saved.status().to_string();
+  auto loaded = (*engine)->load_checkpoint(*saved);
+  ASSERT_TRUE(loaded.is_ok()) << loaded.status().to_string();
+  EXPECT_EQ(loaded->user_state, nested(ckpt::kMaxStateDepth));
+}
+
 // The checkpoint under `root` exported as safetensors (in `dtype`), its bytes.
 std::string exported(const std::string& root, DType dtype) {
   auto dir = ckpt::resolve_checkpoint(root);

@@ -158,6 +158,12 @@ Status write_manifest(EngineState& e, const std::string& dir, int64_t step, cons
     return make_error(ErrorCode::kInvalidArgument, "the checkpoint's user state is not JSON: {}",
                       ex.what());
   }
+  // What parse_manifest would refuse to read back.
+  if (const int depth = ckpt::json_depth(m.user); depth > ckpt::kMaxStateDepth) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "the checkpoint's user state nests {} levels deep, more than {}", depth,
+                      ckpt::kMaxStateDepth);
+  }
   for (int r = 0; r < e.world; ++r) {
     const std::string name = fmt::format("rank-{:05d}.json", r);
     ZINF_ASSIGN_OR_RETURN(std::string text, ckpt::read_small_file(dir + "/" + name));

@@ -75,11 +75,28 @@ struct Manifest {
   uint64_t total_bytes() const;
 };
 
+// The deepest nesting `engine` and `user` may have (a scalar is 1 level, `{"a": 1}` 2): copying
+// or writing JSON recurses once per level, so parse_manifest refuses deeper state (kCorrupt)
+// instead of overflowing its stack, and save_checkpoint refuses to write it.
+inline constexpr int kMaxStateDepth = 64;
+// The nesting depth of `j`, found without recursion.
+int json_depth(const nlohmann::json& j);
+
 nlohmann::json to_json(const RankEntry& r);
 Result<RankEntry> rank_from_json(const nlohmann::json& j, const std::string& where);
 std::string to_json_text(const Manifest& m);
-// Parses and checks a manifest: kCorrupt naming `path` for bad JSON, a missing key or an
-// inconsistent entry (a segment in a file that is not listed, past the file's end, ...).
+// Parses and checks a manifest: kCorrupt naming `path` (and the key, where one is at fault) for
+// bad JSON, a missing key or an inconsistent entry. What it accepts, loaders may rely on:
+//  - every integer is one its field holds (no value wrapped or truncated into range), and each
+//    checksum is 16 lowercase hex digits, so to_json_text() writes back what was read;
+//  - ranks[i].rank == i, world_size ranks, and file names, free of '/' and NUL and not starting
+//    with '.', that are distinct across all ranks (loaders open files by name), whose bytes add up
+//    within 64 bits;
+//  - each segment names a unit and a file of its own rank, flat_begin <= flat_end <= the unit's
+//    numel_padded, and its bytes lie inside the file (computed without wrapping around);
+//  - in each unit numel <= numel_padded, and its parameters have distinct names, lie inside
+//    [0, numel) and have shapes of positive dimensions whose product is their numel;
+//  - `engine` and `user` nest at most kMaxStateDepth levels.
 Result<Manifest> parse_manifest(const std::string& text, const std::string& path);
 Result<Manifest> read_manifest(const std::string& dir);
 
