@@ -69,7 +69,9 @@ print(json.dumps({"parameters": params, "training_state_bytes": state, "peak_rss
                   "rss_fraction_of_state": rss / state,
                   "nvme_read_bytes_per_step": steps[-1]["nvme_read_bytes"],
                   "nvme_written_bytes_per_step": steps[-1]["nvme_written_bytes"],
-                  "predicted_read_bytes": pred_read, "predicted_written_bytes": pred_write}))
+                  "predicted_read_bytes": pred_read, "predicted_written_bytes": pred_write,
+                  "minimum_read_bytes": steps[-1].get("nvme_read_minimum_bytes"),
+                  "minimum_written_bytes": steps[-1].get("nvme_written_minimum_bytes")}))
 print("peak RSS is {:.1%} of the training state: {}".format(
     rss / state, "target met (<= 25%)" if rss <= state / 4 else "target missed (> 25%)"))
 if save:

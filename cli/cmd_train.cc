@@ -259,6 +259,8 @@ void run(const Args& a, const CLI::App& sub) {
                           {"beta2", s.beta2},
                           {"nvme_read_bytes", s.nvme_read},
                           {"nvme_written_bytes", s.nvme_written},
+                          {"nvme_read_minimum_bytes", s.nvme_minimum.read_bytes},
+                          {"nvme_written_minimum_bytes", s.nvme_minimum.written_bytes},
                           {"param_gather_elements", s.comm.param_gather_elements},
                           {"grad_reduce_elements", s.comm.grad_reduce_elements},
                           {"gathers_on_demand", s.schedule.gathers_on_demand},
@@ -377,6 +379,21 @@ void run(const Args& a, const CLI::App& sub) {
                   last.units_updated_early == 1 ? "" : "s");
     }
     std::printf("\n");
+    // Against the least the placement must move (docs/offload.md, "The traffic minimum").
+    const NvmeTraffic& m = last.nvme_minimum;
+    if (m.read_bytes + m.written_bytes > 0) {
+      auto ratio = [](uint64_t moved, uint64_t least) {
+        return least > 0 ? fmt::format(" ({:.2f}x)", static_cast<double>(moved) / least)
+                         : std::string();
+      };
+      std::printf("NVMe, last step (rank 0): read %s, least %s%s; written %s, least %s%s\n",
+                  format_bytes(static_cast<double>(last.nvme_read)).c_str(),
+                  format_bytes(static_cast<double>(m.read_bytes)).c_str(),
+                  ratio(last.nvme_read, m.read_bytes).c_str(),
+                  format_bytes(static_cast<double>(last.nvme_written)).c_str(),
+                  format_bytes(static_cast<double>(m.written_bytes)).c_str(),
+                  ratio(last.nvme_written, m.written_bytes).c_str());
+    }
   }
   if (!a.export_path.empty()) std::printf("\nexported fp32 weights to %s\n", a.export_path.c_str());
   if (a.sample > 0) std::printf("\nsample:\n%s\n", report->sample.c_str());

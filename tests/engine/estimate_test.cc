@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "zinf/config/config.h"
+#include "zinf/engine/engine.h"
 #include "zinf/engine/settings.h"
 
 namespace zinf {
@@ -34,6 +35,43 @@ Estimate four_units(DType dtype, const Hardware& hw = {.gpus_per_node = 2}) {
 }
 
 // Four units of 1 Mi elements, 2 ranks, fp32 (P = 4 Mi, shard 2 Mi per rank).
+// The traffic minimum (docs/offload.md), hand-counted per element: 1000 parameter elements on
+// NVMe and 1000 elements of optimizer state on NVMe unless a case says otherwise.
+TEST(NvmeTrafficMinimum, HandCountedCases) {
+  auto min = [](NvmeTrafficInputs in) {
+    NvmeTraffic t = nvme_traffic_minimum(in);
+    return std::pair<uint64_t, uint64_t>{t.read_bytes, t.written_bytes};
+  };
+  using P = std::pair<uint64_t, uint64_t>;
+  const NvmeTrafficInputs both{.param_elements = 1000, .optimizer_elements = 1000};
+  // fp32 without clipping: forward and backward read the parameter (4 + 4), the update reads m
+  // and v (8) and writes parameter, m and v (12): ZeRO-Infinity's 16 and 12 bytes per parameter.
+  NvmeTrafficInputs in = both;
+  in.clipping = false;
+  EXPECT_EQ(min(in), (P{16000, 12000}));
+  // With clipping the update waits for the norm and reads the fp32 parameter (the master) again.
+  EXPECT_EQ(min(both), (P{20000, 12000}));
+  // bf16: 2-byte parameters read twice; master, m and v read and written; the parameter written.
+  in = both;
+  in.dtype = DType::kBF16;
+  EXPECT_EQ(min(in), (P{2 * 2000 + 12000, 12000 + 2000}));
+  // Two micro-steps: every micro-step gathers each unit twice.
+  in.gradient_accumulation_steps = 2;
+  in.clipping = false;
+  EXPECT_EQ(min(in), (P{4 * 2000 + 12000, 14000}));
+  // fp16 is never fused (the overflow check needs every gradient), but its master is not the
+  // parameter: no extra read.
+  in = both;
+  in.dtype = DType::kF16;
+  in.clipping = false;
+  EXPECT_EQ(min(in), (P{16000, 14000}));
+  // The optimizer alone on NVMe (fp32: m and v), and the parameters alone (fp32: the master).
+  EXPECT_EQ(min({.optimizer_elements = 1000}), (P{8000, 8000}));
+  EXPECT_EQ(min({.param_elements = 1000}), (P{12000, 4000}));
+  EXPECT_EQ(min({.param_elements = 1000, .clipping = false}), (P{8000, 4000}));
+  EXPECT_EQ(min({}), (P{0, 0}));
+}
+
 TEST(Estimate, HandComputedFp32) {
   const Estimate e = four_units(DType::kF32);
   EXPECT_EQ(e.parameters, 4 * kUnit);

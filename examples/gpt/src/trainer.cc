@@ -464,7 +464,8 @@ Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o
                   .schedule = engine.schedule_report(),
                   .units_updated_early = engine.last_step().units_updated_early,
                   .nvme_read = now.bytes_nvme_read - last_store.bytes_nvme_read,
-                  .nvme_written = now.bytes_nvme_written - last_store.bytes_nvme_written};
+                  .nvme_written = now.bytes_nvme_written - last_store.bytes_nvme_written,
+                  .nvme_minimum = engine.nvme_traffic_minimum()};
       last_store = now;
       {
         std::lock_guard lock(shared.mu);

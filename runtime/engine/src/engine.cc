@@ -424,6 +424,36 @@ const Budgets& Engine::budgets() const { return impl_->e.budgets; }
 
 StoreStats Engine::store_stats() const { return impl_->e.store->stats(); }
 
+NvmeTraffic nvme_traffic_minimum(const NvmeTrafficInputs& in) {
+  const uint64_t w = dtype_size(in.dtype);
+  const bool mixed = in.dtype != DType::kF32;
+  const uint64_t gas = static_cast<uint64_t>(std::max(1, in.gradient_accumulation_steps));
+  // Without clipping (and without fp16's overflow check) each unit can be updated as soon as
+  // its gradient is final, during the last backward pass.
+  const bool fused = !in.clipping && in.dtype != DType::kF16;
+  const uint64_t optimizer_state = 8 + (mixed ? 4 : 0);  // m, v (and the fp32 master)
+  NvmeTraffic t;
+  // Every micro-step's forward and backward pass gathers each unit: its shard is read twice.
+  t.read_bytes += 2 * gas * in.param_elements * w;
+  t.read_bytes += in.optimizer_elements * optimizer_state;
+  // In fp32 the parameter is the master: an update after the backward pass reads it once more.
+  if (!mixed && !fused) t.read_bytes += in.param_elements * 4;
+  t.written_bytes += in.optimizer_elements * optimizer_state + in.param_elements * w;
+  return t;
+}
+
+NvmeTraffic Engine::nvme_traffic_minimum() const {
+  const engine_detail::EngineState& e = impl_->e;
+  NvmeTrafficInputs in{.dtype = e.s.dtype,
+                       .gradient_accumulation_steps = e.s.gradient_accumulation_steps,
+                       .clipping = e.s.gradient_clipping > 0};
+  for (const engine_detail::UnitState& st : e.unit_states) {
+    if (e.s.param_home == Tier::kNvme) in.param_elements += e.policy.param_elements(st.layout);
+    if (st.opt_home == Tier::kNvme) in.optimizer_elements += e.policy.owned_elements(st.layout);
+  }
+  return zinf::nvme_traffic_minimum(in);
+}
+
 MemoryReport Engine::memory_report() const {
   MemoryReport r;
   for (int t = 0; t < kNumTiers; ++t) r.tiers[t] = impl_->e.ledger.usage(static_cast<Tier>(t));

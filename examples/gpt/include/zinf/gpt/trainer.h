@@ -80,6 +80,7 @@ struct StepLog {
   size_t units_updated_early = 0;  // rank 0: updates overlapped with the backward pass
   uint64_t nvme_read = 0;          // rank 0, this step
   uint64_t nvme_written = 0;
+  NvmeTraffic nvme_minimum;  // rank 0: the least a step must move (Engine::nvme_traffic_minimum)
 };
 
 struct TrainReport {

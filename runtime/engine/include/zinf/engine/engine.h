@@ -260,6 +260,27 @@ struct MemoryReport {
   TierUsage tiers[kNumTiers];
 };
 
+// The least NVMe traffic one optimizer step of one rank must move with a placement (bytes read
+// and written; docs/offload.md, "The traffic minimum"). `param_elements`: the rank's parameter
+// elements homed on NVMe (its stage-3 shards; 0 when the parameters are not there);
+// `optimizer_elements`: the elements whose optimizer state (Adam m and v, and the fp32 master in
+// mixed precision) the rank holds on NVMe. Gradients are counted as kept in memory (a gradient
+// that must wait on disk for the norm adds its own write and read); with no clipping and not
+// fp16, the update is counted as fused into the backward pass, so that an fp32 parameter read
+// for the backward gather is also the master the update reads.
+struct NvmeTrafficInputs {
+  uint64_t param_elements = 0;
+  uint64_t optimizer_elements = 0;
+  DType dtype = DType::kF32;
+  int gradient_accumulation_steps = 1;
+  bool clipping = true;  // gradient_clipping > 0: every norm is known before any update
+};
+struct NvmeTraffic {
+  uint64_t read_bytes = 0;
+  uint64_t written_bytes = 0;
+};
+NvmeTraffic nvme_traffic_minimum(const NvmeTrafficInputs& in);
+
 struct CommReport {
   // Elements of the full buffers each rank took part in during the last step (ZeRO volumes).
   uint64_t param_gather_elements = 0;  // all-gathers of parameters
@@ -311,6 +332,9 @@ class Engine {
   float loss_scale() const;
   const StepInfo& last_step() const { return last_step_; }
   MemoryReport memory_report() const;
+  // nvme_traffic_minimum() for this rank's placement and settings: what a step must move at
+  // least, to hold store_stats()' per-step NVMe bytes against.
+  NvmeTraffic nvme_traffic_minimum() const;
   // What the tiered store moved so far (NVMe bytes read and written, evictions, ...).
   StoreStats store_stats() const;
   CommReport comm_report() const { return last_comm_; }
