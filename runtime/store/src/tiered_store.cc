@@ -697,6 +697,16 @@ Result<TensorHandle> TieredTensorStore::acquire(TensorId id, Tier tier, Access a
   while (true) {
     Tensor* t = s.get(id);
     Copy& c = t->copies[idx(tier)];
+    // The store may be copying out of these bytes with the lock released (a write-back, to flush
+    // or to evict, or a move into another tier). The caller may write through the handle as soon
+    // as it holds it, and nothing orders that write after the store's read: the two would race,
+    // and the read's result would be a mix of old and new bytes, marked valid in the other tier
+    // if it landed before the caller's mark_dirty(). So no handle while a copy out is in flight;
+    // each such copy is a bounded transfer that needs nothing from the caller to finish.
+    if (c.reads > 0) {
+      s.cv.wait(lk, [&] { return c.reads == 0; });
+      continue;
+    }
     if (access == Access::kOverwrite && !c.valid) {
       if (c.incoming || c.writing_back) {  // let what is in flight land first
         auto job = c.incoming;

@@ -6,9 +6,11 @@
 //  - prefetch(id, tier) starts making the tier hold a valid copy and returns at once; errors of a
 //    prefetch are reported by the acquire() that needs it.
 //  - acquire(id, tier) returns a handle whose data() stays valid and resident in `tier` until
-//    the handle is released (destroyed); it waits only for what is still in flight. Several
-//    handles may pin the same copy. A writer calls mark_dirty() on its handle: that copy becomes
-//    the only valid one (the others are stale until refreshed or written back).
+//    the handle is released (destroyed); it waits only for what is still in flight: a move into
+//    that copy, and the store's own copies out of it (a write-back, a move into another tier),
+//    since the caller may write through the handle at once. Several handles may pin the same
+//    copy. A writer calls mark_dirty() on its handle: that copy becomes the only valid one (the
+//    others are stale until refreshed or written back).
 //  - When a tier is over its budget (the Device's budget for kDevice, the PinnedPool's for
 //    kHost) copies that are not pinned are dropped: clean ones first, dirty ones after being
 //    written back to their home; victims are chosen by farthest next use (set_next_use) when
