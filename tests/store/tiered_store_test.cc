@@ -369,6 +369,52 @@ TEST_F(StoreTest, AcquireWaitsForAMoveOutOfTheCopy) {
   expect(id, Tier::kHost, 22);
 }
 
+// mark_dirty() may come before the writes it announces ("were or will be modified"): until the
+// writer releases its handle the bytes may still change, so nothing is copied out of that copy
+// meanwhile. Another thread's acquire of another tier waits for the release and gets what was
+// written, instead of a copy taken before the write and kept as valid after it.
+TEST_F(StoreTest, NothingIsCopiedOutOfACopyWhileItsWriterHoldsIt) {
+  build();
+  TensorId id = make("blocks.3.params", 1 << 20, Tier::kNvme);
+  write(id, Tier::kHost, 31);
+  auto w = store_->acquire(id, Tier::kHost);
+  ASSERT_TRUE(w.is_ok()) << w.status().to_string();
+  w->mark_dirty();  // announced before the write
+  auto reader = std::async(std::launch::async, [&] {
+    auto h = store_->acquire(id, Tier::kDevice);
+    ASSERT_TRUE(h.is_ok()) << h.status().to_string();
+    EXPECT_EQ(check_at(*h, 32), -1) << "a copy taken while its source was being written";
+  });
+  // An acquire that does not wait is done at once; one that waits is done after the release.
+  (void)reader.wait_for(std::chrono::milliseconds(500));
+  fill_at(*w, 32);
+  w->release();
+  reader.get();
+  expect(id, Tier::kDevice, 32);
+  expect(id, Tier::kHost, 32);
+  ASSERT_TRUE(store_->flush(id).is_ok());
+  ASSERT_TRUE(store_->evict(id, Tier::kDevice).is_ok());
+  ASSERT_TRUE(store_->evict(id, Tier::kHost).is_ok());
+  expect(id, Tier::kHost, 32);  // from the NVMe home
+}
+
+// The wait above would never end if the writer is the thread that waits: an error instead.
+TEST_F(StoreTest, AcquiringElsewhereWhatThisThreadIsWritingIsAnError) {
+  build();
+  TensorId id = make("blocks.4.params", 1 << 20, Tier::kNvme);
+  auto w = store_->acquire(id, Tier::kHost, Access::kOverwrite);
+  ASSERT_TRUE(w.is_ok()) << w.status().to_string();
+  auto d = store_->acquire(id, Tier::kDevice);
+  ASSERT_FALSE(d.is_ok());
+  EXPECT_EQ(d.status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(d.status().message().find("blocks.4.params"), std::string::npos);
+  EXPECT_EQ(store_->flush(id).code(), ErrorCode::kInvalidArgument);
+  fill_at(*w, 41);
+  w->release();
+  expect(id, Tier::kDevice, 41);
+  ASSERT_TRUE(store_->flush(id).is_ok());
+}
+
 TEST_F(StoreTest, TensorsLargerThanStagingMoveInPieces) {
   build({.device_budget = 16 << 20, .staging = 1 << 20});
   TensorId id = make("big", (5 << 20) + 12345, Tier::kNvme);
@@ -533,8 +579,10 @@ TEST_F(StoreTest, ConcurrentAcquireAndReleaseOfOverlappingTensors) {
             continue;
           }
           uint64_t seed = 5000 + t * 1000 + step;
-          fill_at(*h, seed);
+          // Others may be acquiring the tensor meanwhile: the write is announced before it is
+          // made, so that nothing is copied out of the copy while it changes.
           h->mark_dirty();
+          fill_at(*h, seed);
           current[i] = seed;
         } else if (i % kThreads == t) {
           auto h = store_->acquire(ids[i], tier);

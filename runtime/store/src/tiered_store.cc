@@ -29,6 +29,9 @@ struct Copy {
   bool writing_back = false;  // this copy is being written to its home
   int pins = 0;               // handles held by callers
   int reads = 0;              // moves and write-backs reading this copy right now
+  // The threads of held handles that announced writes (mark_dirty, or acquire for kOverwrite):
+  // the bytes may change until those handles are released, so nothing is copied out meanwhile.
+  std::vector<std::thread::id> writers;
 
   DeviceBuffer dev;
   PinnedBuffer host;
@@ -231,6 +234,20 @@ struct TieredTensorStore::Impl {
   }
 
   // ---- copies (store lock held) ---------------------------------------------------------------
+  // The copy a move into `dst` reads: the nearest valid one.
+  static Tier source_for(const Tensor& t, Tier dst) {
+    static constexpr Tier kOrder[kNumTiers][2] = {
+        {Tier::kHost, Tier::kNvme}, {Tier::kDevice, Tier::kNvme}, {Tier::kHost, Tier::kDevice}};
+    const Tier nearest = kOrder[idx(dst)][0];
+    return t.copies[idx(nearest)].valid ? nearest : kOrder[idx(dst)][1];
+  }
+
+  // Whether the calling thread holds a handle that writes `c` (waiting for it would hang).
+  static bool written_by_caller(const Copy& c) {
+    return std::find(c.writers.begin(), c.writers.end(), std::this_thread::get_id()) !=
+           c.writers.end();
+  }
+
   static bool only_valid_copy(const Tensor& t, Tier tier) {
     for (int k = 0; k < kNumTiers; ++k) {
       if (k != idx(tier) && t.copies[k].valid) return false;
@@ -301,6 +318,8 @@ struct TieredTensorStore::Impl {
     // One write-back at a time per tensor.
     cv.wait(lk, [&] { return !c.writing_back && !home.incoming; });
     if (home.valid || !c.valid) return Status::ok();  // nothing (left) to write back
+    // Still being written: not now (drop() finds the copy pinned; flush() waits for the writer).
+    if (!c.writers.empty()) return Status::ok();
     c.writing_back = true;
     ++c.reads;
     uint64_t version = t->version;
@@ -393,13 +412,12 @@ struct TieredTensorStore::Impl {
     t = get(id);
     Copy& d = t->copies[idx(dst)];
     if (d.valid) return Status::ok();
-    // The nearest valid source.
-    static constexpr Tier kOrder[kNumTiers][2] = {
-        {Tier::kHost, Tier::kNvme}, {Tier::kDevice, Tier::kNvme}, {Tier::kHost, Tier::kDevice}};
-    Tier src = kOrder[idx(dst)][0];
-    if (!t->copies[idx(src)].valid) src = kOrder[idx(dst)][1];
+    const Tier src = source_for(*t, dst);
     Copy& sc = t->copies[idx(src)];
     ZINF_CHECK(sc.valid, "tensor {} has no valid copy", t->spec.name);
+    // Being written (since this move was queued): the acquire that needs this copy waits for the
+    // writer's release and moves again.
+    if (!sc.writers.empty()) return Status::ok();
     ++sc.reads;
     uint64_t version = t->version;
     Endpoint from = endpoint(*t, src), to = endpoint(*t, dst);
@@ -479,19 +497,22 @@ TensorHandle& TensorHandle::operator=(TensorHandle&& o) noexcept {
     tier_ = o.tier_;
     data_ = std::exchange(o.data_, nullptr);
     bytes_ = o.bytes_;
+    writing_ = std::exchange(o.writing_, false);
+    writer_ = o.writer_;
   }
   return *this;
 }
 
 void TensorHandle::mark_dirty() {
   ZINF_CHECK(store_ != nullptr, "mark_dirty on an empty handle");
-  store_->dirty(id_, tier_);
+  store_->dirty(*this);
 }
 
 void TensorHandle::release() {
-  if (store_ != nullptr) store_->unpin(id_, tier_);
+  if (store_ != nullptr) store_->unpin(*this);
   store_ = nullptr;
   data_ = nullptr;
+  writing_ = false;
 }
 
 // ---- TieredTensorStore --------------------------------------------------------------------------
@@ -679,7 +700,13 @@ void TieredTensorStore::prefetch(TensorId id, Tier tier) {
   Impl& s = *impl_;
   if (tier == Tier::kNvme) return;
   std::lock_guard lk(s.mu);
-  if (s.get(id) == nullptr || s.get(id)->creating) return;
+  const Tensor* t = s.get(id);
+  if (t == nullptr || t->creating) return;
+  const Copy& c = t->copies[idx(tier)];
+  // Nothing is copied out of a copy while it is being written: nothing to prefetch yet.
+  if (!c.valid && !c.incoming && !t->copies[idx(Impl::source_for(*t, tier))].writers.empty()) {
+    return;
+  }
   s.start_move(id, tier);
 }
 
@@ -736,7 +763,26 @@ Result<TensorHandle> TieredTensorStore::acquire(TensorId id, Tier tier, Access a
       h.tier_ = tier;
       h.data_ = c.ptr;
       h.bytes_ = t->padded;
+      if (access == Access::kOverwrite) {  // a writer from the start, as after mark_dirty()
+        h.writing_ = true;
+        h.writer_ = std::this_thread::get_id();
+        c.writers.push_back(h.writer_);
+      }
       return h;
+    }
+    if (!c.incoming) {
+      // A move would read the nearest valid copy: not while a handle that writes it is held.
+      Copy& src = t->copies[idx(Impl::source_for(*t, tier))];
+      if (!src.writers.empty()) {
+        if (Impl::written_by_caller(src)) {
+          return make_error(ErrorCode::kInvalidArgument,
+                            "tensor {}: acquiring it on the {} tier while this thread holds it "
+                            "for writing on another; release that handle first",
+                            t->spec.name, tier_name(tier));
+        }
+        s.cv.wait(lk, [&] { return src.writers.empty(); });
+        continue;
+      }
     }
     std::shared_ptr<Job> job = s.start_move(id, tier);
     if (!job) continue;
@@ -809,7 +855,18 @@ Status TieredTensorStore::flush(TensorId id) {
       return make_error(ErrorCode::kInternal, "tensor {} has no valid copy to flush", t->spec.name);
     }
     Tier from = t->copies[idx(Tier::kHost)].valid ? Tier::kHost : Tier::kDevice;
-    ZINF_RETURN_IF_ERROR(s.write_back(lk, id, from));
+    Copy& c = t->copies[idx(from)];
+    if (!c.writers.empty()) {  // being written: what to flush is known once the writer is done
+      if (Impl::written_by_caller(c)) {
+        return make_error(ErrorCode::kInvalidArgument,
+                          "tensor {}: flushing it while this thread holds it for writing on the "
+                          "{} tier; release that handle first",
+                          t->spec.name, tier_name(from));
+      }
+      s.cv.wait(lk, [&] { return c.writers.empty(); });
+    } else {
+      ZINF_RETURN_IF_ERROR(s.write_back(lk, id, from));
+    }
     t = s.get(id);
   }
   return Status::ok();
@@ -868,26 +925,43 @@ size_t TieredTensorStore::tensor_count() const {
   return impl_->tensors.size();
 }
 
-void TieredTensorStore::unpin(TensorId id, Tier tier) {
+void TieredTensorStore::unpin(const TensorHandle& h) {
   Impl& s = *impl_;
   std::lock_guard lk(s.mu);
-  Tensor* t = s.get(id);
-  ZINF_CHECK(t != nullptr && t->copies[idx(tier)].pins > 0, "unbalanced release of tensor {}", id);
-  --t->copies[idx(tier)].pins;
-  t->copies[idx(tier)].last_use = ++s.clock;
+  Tensor* t = s.get(h.id_);
+  ZINF_CHECK(t != nullptr && t->copies[idx(h.tier_)].pins > 0, "unbalanced release of tensor {}",
+             h.id_);
+  Copy& c = t->copies[idx(h.tier_)];
+  --c.pins;
+  if (h.writing_) {
+    auto it = std::find(c.writers.begin(), c.writers.end(), h.writer_);
+    ZINF_CHECK(it != c.writers.end(), "tensor {}: a writer's handle unknown to its copy", h.id_);
+    c.writers.erase(it);
+  }
+  c.last_use = ++s.clock;
   s.cv.notify_all();
 }
 
-void TieredTensorStore::dirty(TensorId id, Tier tier) {
+void TieredTensorStore::dirty(TensorHandle& h) {
   Impl& s = *impl_;
-  std::lock_guard lk(s.mu);
-  Tensor* t = s.get(id);
-  ZINF_CHECK(t != nullptr && t->copies[idx(tier)].pins > 0, "mark_dirty of unpinned tensor {}", id);
+  std::unique_lock lk(s.mu);
+  Tensor* t = s.get(h.id_);
+  ZINF_CHECK(t != nullptr && t->copies[idx(h.tier_)].pins > 0, "mark_dirty of unpinned tensor {}",
+             h.id_);
+  Copy& c = t->copies[idx(h.tier_)];
+  if (!h.writing_) {
+    h.writing_ = true;
+    h.writer_ = std::this_thread::get_id();
+    c.writers.push_back(h.writer_);
+  }
   ++t->version;
   for (int k = 0; k < kNumTiers; ++k) {
-    if (k != idx(tier)) t->copies[k].valid = false;
+    if (k != idx(h.tier_)) t->copies[k].valid = false;
   }
-  t->copies[idx(tier)].valid = true;
+  c.valid = true;
+  // A copy out that started after acquire() may still be reading: its result is discarded (the
+  // version moved), and the writes announced here must not overlap its read.
+  s.cv.wait(lk, [&] { return c.reads == 0; });
 }
 
 }  // namespace zinf
