@@ -130,6 +130,7 @@ struct StoreSetup {
   uint64_t staging = 1 << 20;
   bool checksum = true;
   bool holding_device = false;  // the device is wrapped in a HoldingDevice (holding_)
+  uint32_t movers = 2;
 };
 
 class StoreTest : public ::testing::Test {
@@ -168,7 +169,7 @@ class StoreTest : public ::testing::Test {
                                          .ledger = &ledger_,
                                          .staging_bytes = s.staging,
                                          .staging_buffers = 2,
-                                         .movers = 2});
+                                         .movers = s.movers});
     ASSERT_TRUE(st.is_ok()) << st.status().to_string();
     store_ = std::move(st).value();
   }
@@ -413,6 +414,37 @@ TEST_F(StoreTest, AcquiringElsewhereWhatThisThreadIsWritingIsAnError) {
   w->release();
   expect(id, Tier::kDevice, 41);
   ASSERT_TRUE(store_->flush(id).is_ok());
+}
+
+// A prefetch is a hint the store acts on later, on a mover: by then the copy it would read may
+// be held by a caller who writes it before calling mark_dirty(). It does not read such a copy
+// (an acquire that needs the prefetched copy moves it then).
+TEST_F(StoreTest, APrefetchDoesNotCopyOutOfACopyInUse) {
+  build({.holding_device = true, .movers = 1});
+  TensorId other = make("blocks.5.params", 1 << 20, Tier::kHost);
+  TensorId id = make("blocks.6.params", 1 << 20, Tier::kNvme);
+  write(id, Tier::kDevice, 51);  // the only valid copy is on the device
+  {
+    auto h = store_->acquire(other, Tier::kHost);
+    ASSERT_TRUE(h.is_ok()) << h.status().to_string();
+    holding_->hold_copy_from(h->data(), h->bytes());
+  }
+  store_->prefetch(other, Tier::kDevice);  // the one mover is held in this move
+  holding_->wait_until_holding();
+  store_->prefetch(id, Tier::kHost);  // device -> host, queued behind it
+  {
+    auto h = store_->acquire(id, Tier::kDevice);
+    ASSERT_TRUE(h.is_ok()) << h.status().to_string();
+    holding_->open();
+    // Queued after the prefetch on the one mover: once it reports, the prefetch has run.
+    ASSERT_TRUE(store_->evict_async(other, Tier::kHost).get().is_ok());
+    EXPECT_FALSE(store_->residency(id).valid[static_cast<int>(Tier::kHost)])
+        << "a prefetch copied out of a copy held by a caller";
+    fill_at(*h, 52);
+    h->mark_dirty();
+  }
+  expect(id, Tier::kHost, 52);
+  expect(id, Tier::kDevice, 52);
 }
 
 TEST_F(StoreTest, TensorsLargerThanStagingMoveInPieces) {

@@ -21,6 +21,7 @@ constexpr uint64_t kUnknownUse = std::numeric_limits<uint64_t>::max();
 struct Job {
   bool done = false;
   Status status;
+  bool demanded = false;  // an acquire waits for it (a prefetch alone is a hint)
 };
 
 struct Copy {
@@ -60,6 +61,10 @@ struct Lane {
 };
 
 int idx(Tier t) { return static_cast<int>(t); }
+
+// Who asks for a move or a write-back: what it may read (see move() and write_back()).
+enum class MoveFor : uint8_t { kPrefetch, kAcquire };
+enum class WriteBackFor : uint8_t { kFlush, kEviction };
 
 }  // namespace
 
@@ -311,15 +316,17 @@ struct TieredTensorStore::Impl {
   }
 
   // Writes the valid copy in `tier` back to the (stale) home. Unlocks while the data moves.
-  Status write_back(std::unique_lock<std::mutex>& lk, TensorId id, Tier tier) {
+  // For an eviction, a copy that was pinned meanwhile is left alone (drop() will not free it).
+  Status write_back(std::unique_lock<std::mutex>& lk, TensorId id, Tier tier, WriteBackFor why) {
     Tensor* t = get(id);
     Copy& c = t->copies[idx(tier)];
     Copy& home = t->copies[idx(t->spec.home)];
     // One write-back at a time per tensor.
     cv.wait(lk, [&] { return !c.writing_back && !home.incoming; });
     if (home.valid || !c.valid) return Status::ok();  // nothing (left) to write back
-    // Still being written: not now (drop() finds the copy pinned; flush() waits for the writer).
-    if (!c.writers.empty()) return Status::ok();
+    // Still being written: not now (flush() waits for the writer). A copy in use may be written
+    // before its holder calls mark_dirty(): an eviction does not read it.
+    if (!c.writers.empty() || (why == WriteBackFor::kEviction && c.pins > 0)) return Status::ok();
     c.writing_back = true;
     ++c.reads;
     uint64_t version = t->version;
@@ -356,7 +363,8 @@ struct TieredTensorStore::Impl {
   // Drops a victim's copy (written back first when dirty). Unlocks while writing back.
   Status drop(std::unique_lock<std::mutex>& lk, TensorId id, Tier tier) {
     Tensor* t = get(id);
-    if (only_valid_copy(*t, tier)) ZINF_RETURN_IF_ERROR(write_back(lk, id, tier));
+    if (only_valid_copy(*t, tier))
+      ZINF_RETURN_IF_ERROR(write_back(lk, id, tier, WriteBackFor::kEviction));
     t = get(id);
     if (t == nullptr) return Status::ok();
     Copy& c = t->copies[idx(tier)];
@@ -404,9 +412,9 @@ struct TieredTensorStore::Impl {
     if (to == Tier::kNvme) stats.bytes_nvme_written += bytes;
   }
 
-  // Makes tensor `id`'s copy in `dst` valid. Runs on a mover thread with the lock held; unlocks
-  // while data moves.
-  Status move(std::unique_lock<std::mutex>& lk, TensorId id, Tier dst) {
+  // Makes tensor `id`'s copy in `dst` valid, for `job`. Runs on a mover thread with the lock
+  // held; unlocks while data moves.
+  Status move(std::unique_lock<std::mutex>& lk, TensorId id, Tier dst, const Job& job) {
     Tensor* t = get(id);
     if (!t->copies[idx(dst)].allocated) ZINF_RETURN_IF_ERROR(make_copy_storage(lk, id, dst));
     t = get(id);
@@ -418,6 +426,9 @@ struct TieredTensorStore::Impl {
     // Being written (since this move was queued): the acquire that needs this copy waits for the
     // writer's release and moves again.
     if (!sc.writers.empty()) return Status::ok();
+    // In use: its holder may write it before calling mark_dirty(). Only an acquire that needs
+    // this copy (made on demand, by a thread that is waiting) reads it; a prefetch does not.
+    if (!job.demanded && sc.pins > 0) return Status::ok();
     ++sc.reads;
     uint64_t version = t->version;
     Endpoint from = endpoint(*t, src), to = endpoint(*t, dst);
@@ -447,17 +458,22 @@ struct TieredTensorStore::Impl {
   }
 
   // Starts a move into `tier` unless the copy is valid or already coming. Lock held.
-  std::shared_ptr<Job> start_move(TensorId id, Tier tier) {
+  std::shared_ptr<Job> start_move(TensorId id, Tier tier, MoveFor why) {
     Copy& c = tensors[id]->copies[idx(tier)];
-    if (c.incoming) return c.incoming;
+    const bool demanded = why == MoveFor::kAcquire;
+    if (c.incoming) {
+      c.incoming->demanded = c.incoming->demanded || demanded;
+      return c.incoming;
+    }
     if (c.valid) return nullptr;
     auto job = std::make_shared<Job>();
+    job->demanded = demanded;
     c.incoming = job;
     {
       std::lock_guard jl(jobs_mu);
       jobs.push_back([this, id, tier, job] {
         std::unique_lock lk(mu);
-        Status s = move(lk, id, tier);
+        Status s = move(lk, id, tier, *job);
         if (Tensor* t = get(id); t && t->copies[idx(tier)].incoming == job) {
           t->copies[idx(tier)].incoming.reset();
         }
@@ -703,11 +719,9 @@ void TieredTensorStore::prefetch(TensorId id, Tier tier) {
   const Tensor* t = s.get(id);
   if (t == nullptr || t->creating) return;
   const Copy& c = t->copies[idx(tier)];
-  // Nothing is copied out of a copy while it is being written: nothing to prefetch yet.
-  if (!c.valid && !c.incoming && !t->copies[idx(Impl::source_for(*t, tier))].writers.empty()) {
-    return;
-  }
-  s.start_move(id, tier);
+  // Nothing is copied out of a copy in use on its own: its holder may be writing it.
+  if (!c.valid && !c.incoming && t->copies[idx(Impl::source_for(*t, tier))].pins > 0) return;
+  s.start_move(id, tier, MoveFor::kPrefetch);
 }
 
 Result<TensorHandle> TieredTensorStore::acquire(TensorId id, Tier tier, Access access) {
@@ -784,7 +798,7 @@ Result<TensorHandle> TieredTensorStore::acquire(TensorId id, Tier tier, Access a
         continue;
       }
     }
-    std::shared_ptr<Job> job = s.start_move(id, tier);
+    std::shared_ptr<Job> job = s.start_move(id, tier, MoveFor::kAcquire);
     if (!job) continue;
     s.cv.wait(lk, [&] { return job->done; });
     if (!job->status.is_ok()) return job->status;
@@ -865,7 +879,7 @@ Status TieredTensorStore::flush(TensorId id) {
       }
       s.cv.wait(lk, [&] { return c.writers.empty(); });
     } else {
-      ZINF_RETURN_IF_ERROR(s.write_back(lk, id, from));
+      ZINF_RETURN_IF_ERROR(s.write_back(lk, id, from, WriteBackFor::kFlush));
     }
     t = s.get(id);
   }
