@@ -15,9 +15,10 @@
 //  - From mark_dirty() (or an acquire for kOverwrite) until that handle is released, nothing is
 //    copied out of its copy: an acquire of the tensor in another tier, and flush(), wait for
 //    the release (and fail with kInvalidArgument if the calling thread holds that handle: the
-//    wait would never end); prefetch() and evictions leave it alone. Before mark_dirty() the
-//    store may be copying out of the copy for others: a writer that shares a tensor with other
-//    threads announces its writes (mark_dirty first, or kOverwrite) before making them.
+//    wait would never end). Prefetches and evictions, which run later on a mover, never copy
+//    out of a pinned copy at all. A pinned copy not marked dirty may still be read for another
+//    thread's acquire of another tier: a writer that shares a tensor with other threads
+//    announces its writes (mark_dirty first, or kOverwrite) before making them.
 //  - When a tier is over its budget (the Device's budget for kDevice, the PinnedPool's for
 //    kHost) copies that are not pinned are dropped: clean ones first, dirty ones after being
 //    written back to their home; victims are chosen by farthest next use (set_next_use) when
