@@ -104,11 +104,7 @@ $(TSAN_DIR)/build.ninja: | deps
 # starts no workers and the kernels run on the calling thread. The threads zinf starts itself
 # (ranks, streams, the store's, I/O) still interleave, and TSan finds races by happens-before,
 # not by timing: one CPU costs speed, not findings.
-# StoreTest.{RandomizedOperationsMatchModel,ConcurrentAcquireAndReleaseOfOverlappingTensors}:
-# excluded while TSan's finding in them is open (docs/testing.md, "Open findings").
 TSAN_SKIP := comm\.bench\..*|.*_NOT_BUILT
-TSAN_SKIP := $(TSAN_SKIP)|(strict\.)?StoreTest\.RandomizedOperationsMatchModel
-TSAN_SKIP := $(TSAN_SKIP)|(strict\.)?StoreTest\.ConcurrentAcquireAndReleaseOfOverlappingTensors
 test-tsan: $(TSAN_DIR)/build.ninja
 	cmake --build $(TSAN_DIR) -j $(JOBS) --target $(TSAN_TARGETS)
 	$(SAN_ENV) taskset -c 0 ctest --test-dir $(TSAN_DIR) --output-on-failure -j $(JOBS) \

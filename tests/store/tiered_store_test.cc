@@ -3,7 +3,12 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <functional>
+#include <future>
+#include <mutex>
 #include <random>
 #include <thread>
 
@@ -32,11 +37,100 @@ int64_t check(const void* p, uint64_t bytes, uint64_t seed) {
   return -1;
 }
 
+// A device that forwards to another and can hold back the first copy out of a chosen range of
+// bytes (on the thread that issues it, before anything is enqueued), so that a test can act
+// while the store is in the middle of copying out of a tensor.
+class HoldingDevice final : public Device {
+ public:
+  explicit HoldingDevice(std::unique_ptr<Device> inner) : inner_(std::move(inner)) {}
+
+  // The next copy whose source overlaps [data, data + bytes) waits for open().
+  void hold_copy_from(const void* data, uint64_t bytes) {
+    std::lock_guard lock(mu_);
+    hold_begin_ = static_cast<const char*>(data);
+    hold_end_ = hold_begin_ + bytes;
+  }
+  void wait_until_holding() {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return holding_; });
+  }
+  void open() {
+    std::lock_guard lock(mu_);
+    hold_begin_ = hold_end_ = nullptr;
+    holding_ = false;
+    opened_ = true;
+    cv_.notify_all();
+  }
+
+  void copy_async(void* dst, const void* src, uint64_t bytes, Stream& stream) override {
+    {
+      std::unique_lock lock(mu_);
+      const char* from = static_cast<const char*>(src);
+      if (from < hold_end_ && from + bytes > hold_begin_) {
+        holding_ = true;
+        cv_.notify_all();
+        cv_.wait(lock, [&] { return opened_; });
+      }
+    }
+    inner_->copy_async(dst, src, bytes, stream);
+  }
+
+  std::string name() const override { return inner_->name(); }
+  Result<DeviceBuffer> allocate(uint64_t bytes, MemoryCategory category) override {
+    return inner_->allocate(bytes, category);  // the buffer frees itself through inner_
+  }
+  std::unique_ptr<Stream> create_stream(std::string name) override {
+    return inner_->create_stream(std::move(name));
+  }
+  void fill(TensorRef dst, float value, Stream& stream) override {
+    inner_->fill(dst, value, stream);
+  }
+  void accumulate(TensorRef acc, ConstTensorRef src, bool overwrite, Stream& stream) override {
+    inner_->accumulate(acc, src, overwrite, stream);
+  }
+  void cast(TensorRef dst, ConstTensorRef src, Stream& stream) override {
+    inner_->cast(dst, src, stream);
+  }
+  void scale(TensorRef x, float factor, bool* found_nonfinite, Stream& stream) override {
+    inner_->scale(x, factor, found_nonfinite, stream);
+  }
+  void sum_squares_blocks(ConstTensorRef x, float factor, double* block_sums,
+                          Stream& stream) override {
+    inner_->sum_squares_blocks(x, factor, block_sums, stream);
+  }
+  void adam(const kernels::AdamConfig& config, const kernels::AdamStepArgs& args,
+            const kernels::AdamTensors& tensors, Stream& stream) override {
+    inner_->adam(config, args, tensors, stream);
+  }
+  CommWindow comm_window(const void* data, uint64_t bytes) override {
+    return inner_->comm_window(data, bytes);
+  }
+  uint64_t budget_bytes() const override { return inner_->budget_bytes(); }
+  uint64_t bytes_in_use() const override { return inner_->bytes_in_use(); }
+  Ledger* ledger() const override { return inner_->ledger(); }
+
+ protected:
+  void release(void*, uint64_t, MemoryCategory) override {
+    ZINF_CHECK(false, "HoldingDevice hands out its inner device's buffers only");
+  }
+
+ private:
+  std::unique_ptr<Device> inner_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  const char* hold_begin_ = nullptr;
+  const char* hold_end_ = nullptr;
+  bool holding_ = false;
+  bool opened_ = false;
+};
+
 struct StoreSetup {
   uint64_t device_budget = 8 << 20;
   uint64_t host_budget = 16 << 20;
   uint64_t staging = 1 << 20;
   bool checksum = true;
+  bool holding_device = false;  // the device is wrapped in a HoldingDevice (holding_)
+  uint32_t movers = 2;
 };
 
 class StoreTest : public ::testing::Test {
@@ -62,6 +156,11 @@ class StoreTest : public ::testing::Test {
     device_ = std::move(make_device(resolve_device_kind(DeviceKind::kAuto).value(),
                                     {.budget_bytes = s.device_budget, .ledger = &ledger_}))
                   .value();
+    if (s.holding_device) {
+      auto holding = std::make_unique<HoldingDevice>(std::move(device_));
+      holding_ = holding.get();
+      device_ = std::move(holding);
+    }
     pool_ = std::make_unique<PinnedPool>(PinnedPoolOptions{
         .budget_bytes = s.host_budget, .pin = false, .engine = engine_.get(), .ledger = &ledger_});
     auto st = TieredTensorStore::create({.device = device_.get(),
@@ -70,7 +169,7 @@ class StoreTest : public ::testing::Test {
                                          .ledger = &ledger_,
                                          .staging_bytes = s.staging,
                                          .staging_buffers = 2,
-                                         .movers = 2});
+                                         .movers = s.movers});
     ASSERT_TRUE(st.is_ok()) << st.status().to_string();
     store_ = std::move(st).value();
   }
@@ -110,6 +209,40 @@ class StoreTest : public ::testing::Test {
     ASSERT_TRUE(h.is_ok()) << h.status().to_string();
     EXPECT_EQ(check_at(*h, seed), -1) << "tensor " << id << " on " << tier_name(tier);
   }
+  // Has `copy_out` make the store copy out of tensor `id`'s copy in `tier` (held back in the
+  // device until let go), and meanwhile, on another thread, acquires that copy, writes `seed`
+  // into it and marks it dirty. Returns what `landed()` said when that acquire returned: whether
+  // the store's copy out had finished by then.
+  bool acquire_while_copying_out(TensorId id, Tier tier, uint64_t seed,
+                                 const std::function<Status()>& copy_out,
+                                 const std::function<bool()>& landed) {
+    {
+      auto h = store_->acquire(id, tier);
+      EXPECT_TRUE(h.is_ok()) << h.status().to_string();
+      if (!h.is_ok()) return false;
+      holding_->hold_copy_from(h->data(), h->bytes());
+    }
+    auto copying = std::async(std::launch::async, copy_out);
+    holding_->wait_until_holding();
+    std::atomic<bool> landed_first{false};
+    auto writer = std::async(std::launch::async, [&] {
+      auto h = store_->acquire(id, tier);
+      EXPECT_TRUE(h.is_ok()) << h.status().to_string();
+      if (!h.is_ok()) return;
+      landed_first = landed();
+      fill_at(*h, seed);
+      h->mark_dirty();
+    });
+    // An acquire that does not wait is done at once; one that waits cannot be done before the
+    // copy is let go. Either way the copy is let go after a while, so neither can hang.
+    (void)writer.wait_for(std::chrono::milliseconds(500));
+    holding_->open();
+    writer.get();
+    Status s = copying.get();
+    EXPECT_TRUE(s.is_ok()) << s.to_string();
+    return landed_first;
+  }
+
   void expect_within_budgets() {
     EXPECT_LE(ledger_.usage(Tier::kDevice).peak, setup_.device_budget);
     EXPECT_LE(ledger_.usage(Tier::kHost).peak, setup_.host_budget);
@@ -121,6 +254,7 @@ class StoreTest : public ::testing::Test {
   std::unique_ptr<io::IoEngine> engine_;
   std::unique_ptr<io::SwapSpace> swap_;
   std::unique_ptr<Device> device_;
+  HoldingDevice* holding_ = nullptr;  // device_, when setup_.holding_device
   std::unique_ptr<PinnedPool> pool_;
   std::unique_ptr<TieredTensorStore> store_;
 };
@@ -198,6 +332,119 @@ TEST_F(StoreTest, EvictWaitsForAMoveReadingTheCopy) {
     ASSERT_TRUE(store_->evict(id, Tier::kHost).is_ok());
     ASSERT_TRUE(store_->destroy_tensor(id).is_ok());
   }
+}
+
+// The store copies out of a copy with its lock released (write-backs, moves into other tiers).
+// A handle to that copy lets its holder write at once, so acquire() waits for those copies:
+// otherwise the write races with the store's read (what TSan reported in the randomized and
+// concurrent tests) and the other tier briefly holds, as valid, a mix of old and new bytes.
+TEST_F(StoreTest, AcquireWaitsForAWriteBackOutOfTheCopy) {
+  build({.holding_device = true});
+  TensorId id = make("blocks.1.params", 1 << 20, Tier::kNvme);
+  write(id, Tier::kDevice, 11);  // the only valid copy is on the device
+  const int nvme = static_cast<int>(Tier::kNvme);
+  bool landed = acquire_while_copying_out(
+      id, Tier::kDevice, 12, [&] { return store_->flush(id); },
+      [&] { return store_->residency(id).valid[nvme]; });
+  EXPECT_TRUE(landed) << "acquire() handed out the device copy while it was being written back";
+  EXPECT_FALSE(store_->residency(id).valid[nvme]);  // written after the write-back: stale
+  expect(id, Tier::kDevice, 12);
+  ASSERT_TRUE(store_->evict(id, Tier::kDevice).is_ok());
+  expect(id, Tier::kHost, 12);  // from the NVMe home
+}
+
+TEST_F(StoreTest, AcquireWaitsForAMoveOutOfTheCopy) {
+  build({.holding_device = true});
+  TensorId id = make("blocks.2.params", 1 << 20, Tier::kNvme);
+  write(id, Tier::kHost, 21);  // the only valid copy is on the host
+  const int device = static_cast<int>(Tier::kDevice);
+  bool landed = acquire_while_copying_out(
+      id, Tier::kHost, 22,
+      [&] {
+        store_->prefetch(id, Tier::kDevice);  // host -> device, on a mover
+        return store_->acquire(id, Tier::kDevice).status();
+      },
+      [&] { return store_->residency(id).valid[device]; });
+  EXPECT_TRUE(landed) << "acquire() handed out the host copy while it was being copied out";
+  expect(id, Tier::kDevice, 22);
+  expect(id, Tier::kHost, 22);
+}
+
+// mark_dirty() may come before the writes it announces ("were or will be modified"): until the
+// writer releases its handle the bytes may still change, so nothing is copied out of that copy
+// meanwhile. Another thread's acquire of another tier waits for the release and gets what was
+// written, instead of a copy taken before the write and kept as valid after it.
+TEST_F(StoreTest, NothingIsCopiedOutOfACopyWhileItsWriterHoldsIt) {
+  build();
+  TensorId id = make("blocks.3.params", 1 << 20, Tier::kNvme);
+  write(id, Tier::kHost, 31);
+  auto w = store_->acquire(id, Tier::kHost);
+  ASSERT_TRUE(w.is_ok()) << w.status().to_string();
+  w->mark_dirty();  // announced before the write
+  auto reader = std::async(std::launch::async, [&] {
+    auto h = store_->acquire(id, Tier::kDevice);
+    ASSERT_TRUE(h.is_ok()) << h.status().to_string();
+    EXPECT_EQ(check_at(*h, 32), -1) << "a copy taken while its source was being written";
+  });
+  // An acquire that does not wait is done at once; one that waits is done after the release.
+  (void)reader.wait_for(std::chrono::milliseconds(500));
+  fill_at(*w, 32);
+  w->release();
+  reader.get();
+  expect(id, Tier::kDevice, 32);
+  expect(id, Tier::kHost, 32);
+  ASSERT_TRUE(store_->flush(id).is_ok());
+  ASSERT_TRUE(store_->evict(id, Tier::kDevice).is_ok());
+  ASSERT_TRUE(store_->evict(id, Tier::kHost).is_ok());
+  expect(id, Tier::kHost, 32);  // from the NVMe home
+}
+
+// The wait above would never end if the writer is the thread that waits: an error instead.
+TEST_F(StoreTest, AcquiringElsewhereWhatThisThreadIsWritingIsAnError) {
+  build();
+  TensorId id = make("blocks.4.params", 1 << 20, Tier::kNvme);
+  auto w = store_->acquire(id, Tier::kHost, Access::kOverwrite);
+  ASSERT_TRUE(w.is_ok()) << w.status().to_string();
+  auto d = store_->acquire(id, Tier::kDevice);
+  ASSERT_FALSE(d.is_ok());
+  EXPECT_EQ(d.status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_NE(d.status().message().find("blocks.4.params"), std::string::npos);
+  EXPECT_EQ(store_->flush(id).code(), ErrorCode::kInvalidArgument);
+  fill_at(*w, 41);
+  w->release();
+  expect(id, Tier::kDevice, 41);
+  ASSERT_TRUE(store_->flush(id).is_ok());
+}
+
+// A prefetch is a hint the store acts on later, on a mover: by then the copy it would read may
+// be held by a caller who writes it before calling mark_dirty(). It does not read such a copy
+// (an acquire that needs the prefetched copy moves it then).
+TEST_F(StoreTest, APrefetchDoesNotCopyOutOfACopyInUse) {
+  build({.holding_device = true, .movers = 1});
+  TensorId other = make("blocks.5.params", 1 << 20, Tier::kHost);
+  TensorId id = make("blocks.6.params", 1 << 20, Tier::kNvme);
+  write(id, Tier::kDevice, 51);  // the only valid copy is on the device
+  {
+    auto h = store_->acquire(other, Tier::kHost);
+    ASSERT_TRUE(h.is_ok()) << h.status().to_string();
+    holding_->hold_copy_from(h->data(), h->bytes());
+  }
+  store_->prefetch(other, Tier::kDevice);  // the one mover is held in this move
+  holding_->wait_until_holding();
+  store_->prefetch(id, Tier::kHost);  // device -> host, queued behind it
+  {
+    auto h = store_->acquire(id, Tier::kDevice);
+    ASSERT_TRUE(h.is_ok()) << h.status().to_string();
+    holding_->open();
+    // Queued after the prefetch on the one mover: once it reports, the prefetch has run.
+    ASSERT_TRUE(store_->evict_async(other, Tier::kHost).get().is_ok());
+    EXPECT_FALSE(store_->residency(id).valid[static_cast<int>(Tier::kHost)])
+        << "a prefetch copied out of a copy held by a caller";
+    fill_at(*h, 52);
+    h->mark_dirty();
+  }
+  expect(id, Tier::kHost, 52);
+  expect(id, Tier::kDevice, 52);
 }
 
 TEST_F(StoreTest, TensorsLargerThanStagingMoveInPieces) {
@@ -364,8 +611,10 @@ TEST_F(StoreTest, ConcurrentAcquireAndReleaseOfOverlappingTensors) {
             continue;
           }
           uint64_t seed = 5000 + t * 1000 + step;
-          fill_at(*h, seed);
+          // Others may be acquiring the tensor meanwhile: the write is announced before it is
+          // made, so that nothing is copied out of the copy while it changes.
           h->mark_dirty();
+          fill_at(*h, seed);
           current[i] = seed;
         } else if (i % kThreads == t) {
           auto h = store_->acquire(ids[i], tier);

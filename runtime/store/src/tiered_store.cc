@@ -21,6 +21,7 @@ constexpr uint64_t kUnknownUse = std::numeric_limits<uint64_t>::max();
 struct Job {
   bool done = false;
   Status status;
+  bool demanded = false;  // an acquire waits for it (a prefetch alone is a hint)
 };
 
 struct Copy {
@@ -29,6 +30,9 @@ struct Copy {
   bool writing_back = false;  // this copy is being written to its home
   int pins = 0;               // handles held by callers
   int reads = 0;              // moves and write-backs reading this copy right now
+  // The threads of held handles that announced writes (mark_dirty, or acquire for kOverwrite):
+  // the bytes may change until those handles are released, so nothing is copied out meanwhile.
+  std::vector<std::thread::id> writers;
 
   DeviceBuffer dev;
   PinnedBuffer host;
@@ -57,6 +61,10 @@ struct Lane {
 };
 
 int idx(Tier t) { return static_cast<int>(t); }
+
+// Who asks for a move or a write-back: what it may read (see move() and write_back()).
+enum class MoveFor : uint8_t { kPrefetch, kAcquire };
+enum class WriteBackFor : uint8_t { kFlush, kEviction };
 
 }  // namespace
 
@@ -231,6 +239,20 @@ struct TieredTensorStore::Impl {
   }
 
   // ---- copies (store lock held) ---------------------------------------------------------------
+  // The copy a move into `dst` reads: the nearest valid one.
+  static Tier source_for(const Tensor& t, Tier dst) {
+    static constexpr Tier kOrder[kNumTiers][2] = {
+        {Tier::kHost, Tier::kNvme}, {Tier::kDevice, Tier::kNvme}, {Tier::kHost, Tier::kDevice}};
+    const Tier nearest = kOrder[idx(dst)][0];
+    return t.copies[idx(nearest)].valid ? nearest : kOrder[idx(dst)][1];
+  }
+
+  // Whether the calling thread holds a handle that writes `c` (waiting for it would hang).
+  static bool written_by_caller(const Copy& c) {
+    return std::find(c.writers.begin(), c.writers.end(), std::this_thread::get_id()) !=
+           c.writers.end();
+  }
+
   static bool only_valid_copy(const Tensor& t, Tier tier) {
     for (int k = 0; k < kNumTiers; ++k) {
       if (k != idx(tier) && t.copies[k].valid) return false;
@@ -294,13 +316,17 @@ struct TieredTensorStore::Impl {
   }
 
   // Writes the valid copy in `tier` back to the (stale) home. Unlocks while the data moves.
-  Status write_back(std::unique_lock<std::mutex>& lk, TensorId id, Tier tier) {
+  // For an eviction, a copy that was pinned meanwhile is left alone (drop() will not free it).
+  Status write_back(std::unique_lock<std::mutex>& lk, TensorId id, Tier tier, WriteBackFor why) {
     Tensor* t = get(id);
     Copy& c = t->copies[idx(tier)];
     Copy& home = t->copies[idx(t->spec.home)];
     // One write-back at a time per tensor.
     cv.wait(lk, [&] { return !c.writing_back && !home.incoming; });
     if (home.valid || !c.valid) return Status::ok();  // nothing (left) to write back
+    // Still being written: not now (flush() waits for the writer). A copy in use may be written
+    // before its holder calls mark_dirty(): an eviction does not read it.
+    if (!c.writers.empty() || (why == WriteBackFor::kEviction && c.pins > 0)) return Status::ok();
     c.writing_back = true;
     ++c.reads;
     uint64_t version = t->version;
@@ -337,7 +363,8 @@ struct TieredTensorStore::Impl {
   // Drops a victim's copy (written back first when dirty). Unlocks while writing back.
   Status drop(std::unique_lock<std::mutex>& lk, TensorId id, Tier tier) {
     Tensor* t = get(id);
-    if (only_valid_copy(*t, tier)) ZINF_RETURN_IF_ERROR(write_back(lk, id, tier));
+    if (only_valid_copy(*t, tier))
+      ZINF_RETURN_IF_ERROR(write_back(lk, id, tier, WriteBackFor::kEviction));
     t = get(id);
     if (t == nullptr) return Status::ok();
     Copy& c = t->copies[idx(tier)];
@@ -385,21 +412,23 @@ struct TieredTensorStore::Impl {
     if (to == Tier::kNvme) stats.bytes_nvme_written += bytes;
   }
 
-  // Makes tensor `id`'s copy in `dst` valid. Runs on a mover thread with the lock held; unlocks
-  // while data moves.
-  Status move(std::unique_lock<std::mutex>& lk, TensorId id, Tier dst) {
+  // Makes tensor `id`'s copy in `dst` valid, for `job`. Runs on a mover thread with the lock
+  // held; unlocks while data moves.
+  Status move(std::unique_lock<std::mutex>& lk, TensorId id, Tier dst, const Job& job) {
     Tensor* t = get(id);
     if (!t->copies[idx(dst)].allocated) ZINF_RETURN_IF_ERROR(make_copy_storage(lk, id, dst));
     t = get(id);
     Copy& d = t->copies[idx(dst)];
     if (d.valid) return Status::ok();
-    // The nearest valid source.
-    static constexpr Tier kOrder[kNumTiers][2] = {
-        {Tier::kHost, Tier::kNvme}, {Tier::kDevice, Tier::kNvme}, {Tier::kHost, Tier::kDevice}};
-    Tier src = kOrder[idx(dst)][0];
-    if (!t->copies[idx(src)].valid) src = kOrder[idx(dst)][1];
+    const Tier src = source_for(*t, dst);
     Copy& sc = t->copies[idx(src)];
     ZINF_CHECK(sc.valid, "tensor {} has no valid copy", t->spec.name);
+    // Being written (since this move was queued): the acquire that needs this copy waits for the
+    // writer's release and moves again.
+    if (!sc.writers.empty()) return Status::ok();
+    // In use: its holder may write it before calling mark_dirty(). Only an acquire that needs
+    // this copy (made on demand, by a thread that is waiting) reads it; a prefetch does not.
+    if (!job.demanded && sc.pins > 0) return Status::ok();
     ++sc.reads;
     uint64_t version = t->version;
     Endpoint from = endpoint(*t, src), to = endpoint(*t, dst);
@@ -429,17 +458,22 @@ struct TieredTensorStore::Impl {
   }
 
   // Starts a move into `tier` unless the copy is valid or already coming. Lock held.
-  std::shared_ptr<Job> start_move(TensorId id, Tier tier) {
+  std::shared_ptr<Job> start_move(TensorId id, Tier tier, MoveFor why) {
     Copy& c = tensors[id]->copies[idx(tier)];
-    if (c.incoming) return c.incoming;
+    const bool demanded = why == MoveFor::kAcquire;
+    if (c.incoming) {
+      c.incoming->demanded = c.incoming->demanded || demanded;
+      return c.incoming;
+    }
     if (c.valid) return nullptr;
     auto job = std::make_shared<Job>();
+    job->demanded = demanded;
     c.incoming = job;
     {
       std::lock_guard jl(jobs_mu);
       jobs.push_back([this, id, tier, job] {
         std::unique_lock lk(mu);
-        Status s = move(lk, id, tier);
+        Status s = move(lk, id, tier, *job);
         if (Tensor* t = get(id); t && t->copies[idx(tier)].incoming == job) {
           t->copies[idx(tier)].incoming.reset();
         }
@@ -479,19 +513,22 @@ TensorHandle& TensorHandle::operator=(TensorHandle&& o) noexcept {
     tier_ = o.tier_;
     data_ = std::exchange(o.data_, nullptr);
     bytes_ = o.bytes_;
+    writing_ = std::exchange(o.writing_, false);
+    writer_ = o.writer_;
   }
   return *this;
 }
 
 void TensorHandle::mark_dirty() {
   ZINF_CHECK(store_ != nullptr, "mark_dirty on an empty handle");
-  store_->dirty(id_, tier_);
+  store_->dirty(*this);
 }
 
 void TensorHandle::release() {
-  if (store_ != nullptr) store_->unpin(id_, tier_);
+  if (store_ != nullptr) store_->unpin(*this);
   store_ = nullptr;
   data_ = nullptr;
+  writing_ = false;
 }
 
 // ---- TieredTensorStore --------------------------------------------------------------------------
@@ -679,8 +716,12 @@ void TieredTensorStore::prefetch(TensorId id, Tier tier) {
   Impl& s = *impl_;
   if (tier == Tier::kNvme) return;
   std::lock_guard lk(s.mu);
-  if (s.get(id) == nullptr || s.get(id)->creating) return;
-  s.start_move(id, tier);
+  const Tensor* t = s.get(id);
+  if (t == nullptr || t->creating) return;
+  const Copy& c = t->copies[idx(tier)];
+  // Nothing is copied out of a copy in use on its own: its holder may be writing it.
+  if (!c.valid && !c.incoming && t->copies[idx(Impl::source_for(*t, tier))].pins > 0) return;
+  s.start_move(id, tier, MoveFor::kPrefetch);
 }
 
 Result<TensorHandle> TieredTensorStore::acquire(TensorId id, Tier tier, Access access) {
@@ -697,6 +738,16 @@ Result<TensorHandle> TieredTensorStore::acquire(TensorId id, Tier tier, Access a
   while (true) {
     Tensor* t = s.get(id);
     Copy& c = t->copies[idx(tier)];
+    // The store may be copying out of these bytes with the lock released (a write-back, to flush
+    // or to evict, or a move into another tier). The caller may write through the handle as soon
+    // as it holds it, and nothing orders that write after the store's read: the two would race,
+    // and the read's result would be a mix of old and new bytes, marked valid in the other tier
+    // if it landed before the caller's mark_dirty(). So no handle while a copy out is in flight;
+    // each such copy is a bounded transfer that needs nothing from the caller to finish.
+    if (c.reads > 0) {
+      s.cv.wait(lk, [&] { return c.reads == 0; });
+      continue;
+    }
     if (access == Access::kOverwrite && !c.valid) {
       if (c.incoming || c.writing_back) {  // let what is in flight land first
         auto job = c.incoming;
@@ -726,9 +777,28 @@ Result<TensorHandle> TieredTensorStore::acquire(TensorId id, Tier tier, Access a
       h.tier_ = tier;
       h.data_ = c.ptr;
       h.bytes_ = t->padded;
+      if (access == Access::kOverwrite) {  // a writer from the start, as after mark_dirty()
+        h.writing_ = true;
+        h.writer_ = std::this_thread::get_id();
+        c.writers.push_back(h.writer_);
+      }
       return h;
     }
-    std::shared_ptr<Job> job = s.start_move(id, tier);
+    if (!c.incoming) {
+      // A move would read the nearest valid copy: not while a handle that writes it is held.
+      Copy& src = t->copies[idx(Impl::source_for(*t, tier))];
+      if (!src.writers.empty()) {
+        if (Impl::written_by_caller(src)) {
+          return make_error(ErrorCode::kInvalidArgument,
+                            "tensor {}: acquiring it on the {} tier while this thread holds it "
+                            "for writing on another; release that handle first",
+                            t->spec.name, tier_name(tier));
+        }
+        s.cv.wait(lk, [&] { return src.writers.empty(); });
+        continue;
+      }
+    }
+    std::shared_ptr<Job> job = s.start_move(id, tier, MoveFor::kAcquire);
     if (!job) continue;
     s.cv.wait(lk, [&] { return job->done; });
     if (!job->status.is_ok()) return job->status;
@@ -799,7 +869,18 @@ Status TieredTensorStore::flush(TensorId id) {
       return make_error(ErrorCode::kInternal, "tensor {} has no valid copy to flush", t->spec.name);
     }
     Tier from = t->copies[idx(Tier::kHost)].valid ? Tier::kHost : Tier::kDevice;
-    ZINF_RETURN_IF_ERROR(s.write_back(lk, id, from));
+    Copy& c = t->copies[idx(from)];
+    if (!c.writers.empty()) {  // being written: what to flush is known once the writer is done
+      if (Impl::written_by_caller(c)) {
+        return make_error(ErrorCode::kInvalidArgument,
+                          "tensor {}: flushing it while this thread holds it for writing on the "
+                          "{} tier; release that handle first",
+                          t->spec.name, tier_name(from));
+      }
+      s.cv.wait(lk, [&] { return c.writers.empty(); });
+    } else {
+      ZINF_RETURN_IF_ERROR(s.write_back(lk, id, from, WriteBackFor::kFlush));
+    }
     t = s.get(id);
   }
   return Status::ok();
@@ -858,26 +939,43 @@ size_t TieredTensorStore::tensor_count() const {
   return impl_->tensors.size();
 }
 
-void TieredTensorStore::unpin(TensorId id, Tier tier) {
+void TieredTensorStore::unpin(const TensorHandle& h) {
   Impl& s = *impl_;
   std::lock_guard lk(s.mu);
-  Tensor* t = s.get(id);
-  ZINF_CHECK(t != nullptr && t->copies[idx(tier)].pins > 0, "unbalanced release of tensor {}", id);
-  --t->copies[idx(tier)].pins;
-  t->copies[idx(tier)].last_use = ++s.clock;
+  Tensor* t = s.get(h.id_);
+  ZINF_CHECK(t != nullptr && t->copies[idx(h.tier_)].pins > 0, "unbalanced release of tensor {}",
+             h.id_);
+  Copy& c = t->copies[idx(h.tier_)];
+  --c.pins;
+  if (h.writing_) {
+    auto it = std::find(c.writers.begin(), c.writers.end(), h.writer_);
+    ZINF_CHECK(it != c.writers.end(), "tensor {}: a writer's handle unknown to its copy", h.id_);
+    c.writers.erase(it);
+  }
+  c.last_use = ++s.clock;
   s.cv.notify_all();
 }
 
-void TieredTensorStore::dirty(TensorId id, Tier tier) {
+void TieredTensorStore::dirty(TensorHandle& h) {
   Impl& s = *impl_;
-  std::lock_guard lk(s.mu);
-  Tensor* t = s.get(id);
-  ZINF_CHECK(t != nullptr && t->copies[idx(tier)].pins > 0, "mark_dirty of unpinned tensor {}", id);
+  std::unique_lock lk(s.mu);
+  Tensor* t = s.get(h.id_);
+  ZINF_CHECK(t != nullptr && t->copies[idx(h.tier_)].pins > 0, "mark_dirty of unpinned tensor {}",
+             h.id_);
+  Copy& c = t->copies[idx(h.tier_)];
+  if (!h.writing_) {
+    h.writing_ = true;
+    h.writer_ = std::this_thread::get_id();
+    c.writers.push_back(h.writer_);
+  }
   ++t->version;
   for (int k = 0; k < kNumTiers; ++k) {
-    if (k != idx(tier)) t->copies[k].valid = false;
+    if (k != idx(h.tier_)) t->copies[k].valid = false;
   }
-  t->copies[idx(tier)].valid = true;
+  c.valid = true;
+  // A copy out that started after acquire() may still be reading: its result is discarded (the
+  // version moved), and the writes announced here must not overlap its read.
+  s.cv.wait(lk, [&] { return c.reads == 0; });
 }
 
 }  // namespace zinf

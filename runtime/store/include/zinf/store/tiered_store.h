@@ -6,9 +6,19 @@
 //  - prefetch(id, tier) starts making the tier hold a valid copy and returns at once; errors of a
 //    prefetch are reported by the acquire() that needs it.
 //  - acquire(id, tier) returns a handle whose data() stays valid and resident in `tier` until
-//    the handle is released (destroyed); it waits only for what is still in flight. Several
-//    handles may pin the same copy. A writer calls mark_dirty() on its handle: that copy becomes
-//    the only valid one (the others are stale until refreshed or written back).
+//    the handle is released (destroyed); it waits only for what is still in flight: a move into
+//    that copy, and the store's own copies out of it (a write-back, a move into another tier),
+//    since the caller may write through the handle at once. Several handles may pin the same
+//    copy. A writer calls mark_dirty() on its handle, before or after writing and before
+//    releasing it: that copy becomes the only valid one (the others are stale until refreshed
+//    or written back).
+//  - From mark_dirty() (or an acquire for kOverwrite) until that handle is released, nothing is
+//    copied out of its copy: an acquire of the tensor in another tier, and flush(), wait for
+//    the release (and fail with kInvalidArgument if the calling thread holds that handle: the
+//    wait would never end). Prefetches and evictions, which run later on a mover, never copy
+//    out of a pinned copy at all. A pinned copy not marked dirty may still be read for another
+//    thread's acquire of another tier: a writer that shares a tensor with other threads
+//    announces its writes (mark_dirty first, or kOverwrite) before making them.
 //  - When a tier is over its budget (the Device's budget for kDevice, the PinnedPool's for
 //    kHost) copies that are not pinned are dropped: clean ones first, dirty ones after being
 //    written back to their home; victims are chosen by farthest next use (set_next_use) when
@@ -26,6 +36,7 @@
 #include <future>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "zinf/core/status.h"
@@ -107,6 +118,8 @@ class TensorHandle {
   Tier tier_ = Tier::kDevice;
   void* data_ = nullptr;
   uint64_t bytes_ = 0;
+  bool writing_ = false;    // announced writes (mark_dirty, kOverwrite) until released
+  std::thread::id writer_;  // the thread that announced them
 };
 
 class TieredTensorStore {
@@ -151,8 +164,8 @@ class TieredTensorStore {
  private:
   friend class TensorHandle;
   explicit TieredTensorStore(std::unique_ptr<Impl> impl);
-  void unpin(TensorId id, Tier tier);
-  void dirty(TensorId id, Tier tier);
+  void unpin(const TensorHandle& h);
+  void dirty(TensorHandle& h);
   std::unique_ptr<Impl> impl_;
 };
 
