@@ -20,6 +20,7 @@
 #include "zinf/core/status.h"
 #include "zinf/core/units.h"
 #include "zinf/io/file.h"
+#include "zinf/io/swap_space.h"
 
 namespace zinf::cli {
 
@@ -113,6 +114,13 @@ Status remove_contents(const io::DirHandle& dir, uint64_t& bytes, int depth) {
 bool remove_if_stale(const io::DirHandle& root, const std::string& name) {
   const pid_t pid = run_directory_pid(name);
   if (pid == 0 || pid == ::getpid()) return false;
+  // Only a directory made under this machine boot and pid namespace (`zinf-<pid>-<host>-...`):
+  // elsewhere (another node on a shared file system, a container) its pid means nothing here.
+  const std::string host = io::swap_host_tag();
+  const std::string mine = fmt::format("zinf-{}-{}-", pid, host);
+  if (host.empty() || name.size() <= mine.size() || name.compare(0, mine.size(), mine) != 0) {
+    return false;
+  }
   if (::kill(pid, 0) == 0 || errno != ESRCH) return false;  // it lives (EPERM: another user's)
   struct stat st {};
   if (::fstatat(root.fd(), name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) return false;

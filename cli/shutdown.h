@@ -48,14 +48,16 @@ int remove_own_swap_directories(const std::vector<std::string>& paths);
 // exist left behind (a SIGKILL, a crash, a power loss), logging one line per directory with its
 // size to stderr; returns how many. `zinf train` calls it at start, before its space check.
 //
-// A directory is removed only when all hold: no process has its pid (kill(pid, 0) fails with
+// A directory is removed only when all hold: it was made under this machine boot and this pid
+// namespace (its name is zinf-<pid>-<io::swap_host_tag()>-*: a directory of a run on another node
+// sharing the file system, or in another container, is never taken for dead, and neither is one
+// whose name says nothing of where it was made); no process has its pid (kill(pid, 0) fails with
 // ESRCH: EPERM means another user's process has it); it is a real directory (lstat: a symlink of
 // that name is left alone, never followed), owned by this user; and the directory opened
 // (O_NOFOLLOW) is the one checked (same device and inode). Its contents are removed through
 // directory descriptors (openat / unlinkat), never following a symlink inside: a symlink is
 // unlinked, its target untouched. A live process's directory, another zinf's included, is never
-// touched; so is this process's own. Pids are those of this pid namespace: swap directories
-// shared with processes of another namespace (containers) are not told apart.
+// touched; so is this process's own.
 // Errors are reported as warnings and the directory is skipped (one removed meanwhile by another
 // zinf starting at the same time is not an error).
 int remove_stale_swap_directories(const std::vector<std::string>& paths);

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -163,6 +164,23 @@ struct SwapSpace::Impl {
 
 SwapSpace::SwapSpace(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
+std::string swap_host_tag() {
+  static const std::string tag = [] {
+    std::string boot;
+    if (FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "re")) {
+      char buf[64] = {};
+      if (std::fgets(buf, sizeof buf, f) != nullptr) boot = buf;
+      std::fclose(f);
+    }
+    char ns[64] = {};
+    const ssize_t n = ::readlink("/proc/self/ns/pid", ns, sizeof ns - 1);
+    if (boot.empty() || n <= 0) return std::string();
+    const std::string key = boot + std::string(ns, static_cast<size_t>(n));
+    return fmt::format("{:08x}", static_cast<uint32_t>(XXH3_64bits(key.data(), key.size())));
+  }();
+  return tag;
+}
+
 Result<std::unique_ptr<SwapSpace>> SwapSpace::create(IoEngine& engine, SwapSpaceOptions options) {
   if (options.directories.empty()) {
     return make_error(ErrorCode::kInvalidArgument, "swap space needs at least one directory");
@@ -197,7 +215,9 @@ Result<std::unique_ptr<SwapSpace>> SwapSpace::create(IoEngine& engine, SwapSpace
     }
     // Private: 0700 whatever the umask (which can only take bits away), opened without following
     // a symlink, and checked to be the directory just made.
-    std::string run_name = fmt::format("zinf-{}-{:08x}", ::getpid(), rd());
+    const std::string host = swap_host_tag();
+    std::string run_name =
+        fmt::format("zinf-{}-{}-{:08x}", ::getpid(), host.empty() ? "unknown" : host, rd());
     std::string run_path = root + "/" + run_name;
     if (::mkdirat(root_dir->fd(), run_name.c_str(), 0700) != 0) {
       Status s = errno_status(errno, fmt::format("cannot create run directory {}", run_path));

@@ -27,9 +27,12 @@ if ! ip netns add "$ns1" 2> /dev/null; then
   echo "skipped: cannot create a network namespace here"
   exit 77
 fi
+if ! ip link add "$v1" type veth peer name "$v2" 2> /dev/null; then
+  echo "skipped: cannot create a veth pair here"
+  exit 77
+fi
 set -e
 ip netns add "$ns2"
-ip link add "$v1" type veth peer name "$v2"
 ip link set "$v1" netns "$ns1"
 ip link set "$v2" netns "$ns2"
 ip -n "$ns1" addr add "$a1/24" dev "$v1"

@@ -1,6 +1,7 @@
 // SwapSpace: extents of bytes on one or more NVMe paths, for tensors that do not fit in memory.
 //
-//  - Each directory (one per drive) gets a private run directory `zinf-<pid>-<random>` (0700,
+//  - Each directory (one per drive) gets a private run directory `zinf-<pid>-<host>-<random>`
+//    (<host>: swap_host_tag(), which says where <pid> means something; 0700,
 //    owned by this user, held open: DirHandle) holding a few large preallocated files (0600,
 //    created relative to the run directory's descriptor with O_EXCL|O_NOFOLLOW), grown by whole
 //    files of `file_bytes` as extents are allocated. Everything is removed when the SwapSpace is
@@ -28,6 +29,11 @@
 #include "zinf/io/io_engine.h"
 
 namespace zinf::io {
+
+// Eight hex digits naming the machine boot and pid namespace this process runs in (a hash of
+// /proc/sys/kernel/random/boot_id and the /proc/self/ns/pid link): a pid in a run directory's
+// name is only meaningful to a process with the same tag. "" when either cannot be read.
+std::string swap_host_tag();
 
 struct SwapSpaceOptions {
   std::vector<std::string> directories;    // one per NVMe drive; must exist and be writable
