@@ -14,7 +14,7 @@ SUDO       := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 # Every Debian package the project needs (DESIGN.md, "Dependencies").
 DEPS := build-essential cmake ninja-build pkg-config ccache \
-        liburing-dev libtbb-dev libboost-dev libopenmpi-dev openmpi-bin libopenblas-dev \
+        liburing-dev libtbb-dev libboost-dev libopenmpi-dev openmpi-bin libgloo-dev libopenblas-dev \
         libgtest-dev libgmock-dev libbenchmark-dev \
         nlohmann-json3-dev libcli11-dev libspdlog-dev libfmt-dev libxxhash-dev \
         fio fortunes gnuplot-nox \
@@ -46,12 +46,12 @@ test: test-plain test-nompi test-asan test-tsan
 test-plain: build
 	ctest --test-dir $(BUILD_DIR) --output-on-failure -j $(JOBS) --timeout 600
 
-# The build without the optional backends (-DZINF_MPI=OFF -DZINF_CUDA=OFF): everything links
+# The build without the optional backends (-DZINF_MPI=OFF -DZINF_GLOO=OFF -DZINF_CUDA=OFF): everything links
 # without them and every test that does not need them passes (the mpi and gpu tests are not
 # defined there). Most objects are the plain build's, from ccache.
 $(NOMPI_DIR)/build.ninja: | deps
 	cmake -S . -B $(NOMPI_DIR) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) -DZINF_MPI=OFF \
-	  -DZINF_CUDA=OFF -DZINF_BENCH=OFF
+	  -DZINF_GLOO=OFF -DZINF_CUDA=OFF -DZINF_BENCH=OFF
 
 test-nompi: $(NOMPI_DIR)/build.ninja
 	cmake --build $(NOMPI_DIR) -j $(JOBS)

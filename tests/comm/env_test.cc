@@ -18,7 +18,8 @@ using ::testing::HasSubstr;
 // Parses `env` as if it were the process environment; by default every backend is built and a
 // GPU is visible.
 Result<CommConfig> parse(std::map<std::string, std::string> env,
-                         BackendsBuilt built = {.mpi = true, .nccl = true, .gpus = true}) {
+                         BackendsBuilt built = {
+                             .mpi = true, .nccl = true, .gloo = true, .gpus = true}) {
   return parse_comm_env(
       [&env](const char* name) -> const char* {
         auto it = env.find(name);
@@ -56,18 +57,35 @@ TEST(CommEnv, Torchrun) {
   EXPECT_FALSE(c->backend_explicit);
 }
 
-TEST(CommEnv, TorchrunWithoutNcclNeedsAnExplicitChoice) {
+TEST(CommEnv, TorchrunWithoutAGpuIsGlooOrAnExplicitChoice) {
+  // No GPU (or no NCCL): Gloo, whatever MPI there is, since no MPI launcher started the ranks.
+  auto gloo = parse({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"GLOO_SOCKET_IFNAME", "eth1"}},
+                    {.mpi = true, .nccl = true, .gloo = true, .gpus = false});
+  ASSERT_TRUE(gloo.is_ok()) << gloo.status().to_string();
+  EXPECT_EQ(gloo->backend, Backend::kGloo);
+  EXPECT_EQ(gloo->gloo_iface, "eth1");
+  EXPECT_EQ(parse({{"RANK", "0"}, {"WORLD_SIZE", "2"}}, {.mpi = false, .nccl = false, .gloo = true})
+                ->backend,
+            Backend::kGloo);
+  // Without Gloo either, the error says what is missing.
   auto c = parse({{"RANK", "0"}, {"WORLD_SIZE", "2"}}, {.mpi = true, .nccl = false});
   EXPECT_EQ(c.status().code(), ErrorCode::kInvalidArgument);
   EXPECT_THAT(c.status().message(), HasSubstr("this build has no NCCL backend"));
+  EXPECT_THAT(c.status().message(), HasSubstr("-DZINF_GLOO=ON"));
   auto no_gpu = parse({{"RANK", "0"}, {"WORLD_SIZE", "2"}}, {.mpi = true, .nccl = true});
   EXPECT_THAT(no_gpu.status().message(), HasSubstr("no GPU is visible"));
+  auto explicit_gloo = parse({{"ZINF_COMM", "gloo"}}, {.mpi = true, .nccl = true});
+  EXPECT_THAT(explicit_gloo.status().message(), HasSubstr("this build has no Gloo backend"));
   auto one = parse({{"RANK", "0"}, {"WORLD_SIZE", "1"}}, {.mpi = false, .nccl = false});
   ASSERT_TRUE(one.is_ok());
   EXPECT_EQ(one->backend, Backend::kLocal);
   one = parse({{"RANK", "0"}, {"WORLD_SIZE", "1"}}, {.mpi = false, .nccl = true, .gpus = false});
   ASSERT_TRUE(one.is_ok());
   EXPECT_EQ(one->backend, Backend::kLocal);
+  // Under mpirun or srun MPI still comes before Gloo.
+  auto mpi = parse({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}},
+                   {.mpi = true, .nccl = false, .gloo = true});
+  EXPECT_EQ(mpi->backend, Backend::kMpi);
 }
 
 TEST(CommEnv, OpenMpi) {
@@ -148,7 +166,7 @@ TEST(CommEnv, ErrorsNameTheVariable) {
       {{{"SLURM_PROCID", "1"}, {"SLURM_NTASKS", "x1"}}, "SLURM_NTASKS='x1' is not an integer"},
       {{{"MASTER_PORT", "70000"}}, "MASTER_PORT=70000 is out of range [1, 65535]"},
       {{{"LOCAL_RANK", "q"}, {"RANK", "0"}, {"WORLD_SIZE", "1"}}, "LOCAL_RANK='q'"},
-      {{{"ZINF_COMM", "gloo"}}, "ZINF_COMM='gloo' is not a backend"},
+      {{{"ZINF_COMM", "ucc"}}, "ZINF_COMM='ucc' is not a backend: use local, mpi, nccl or gloo"},
       {{{"ZINF_COMM_TIMEOUT", "0"}}, "ZINF_COMM_TIMEOUT='0' is not a positive number"},
       {{{"ZINF_COMM_TIMEOUT", "5s"}}, "ZINF_COMM_TIMEOUT='5s'"},
   };

@@ -16,6 +16,8 @@ std::string_view backend_name(Backend backend) {
       return "mpi";
     case Backend::kNccl:
       return "nccl";
+    case Backend::kGloo:
+      return "gloo";
   }
   return "unknown";
 }

@@ -129,6 +129,7 @@ Result<CommConfig> parse_comm_env(const GetEnv& getenv, BackendsBuilt built) {
     config.store_bind = "127.0.0.1";
   }
 
+  if (auto iface = lookup(getenv, "GLOO_SOCKET_IFNAME")) config.gloo_iface = std::string(*iface);
   ZINF_ASSIGN_OR_RETURN(config.timeout, parse_comm_timeout(getenv));
 
   if (auto name = lookup(getenv, "ZINF_COMM")) {
@@ -139,9 +140,11 @@ Result<CommConfig> parse_comm_env(const GetEnv& getenv, BackendsBuilt built) {
       config.backend = Backend::kMpi;
     } else if (*name == "nccl") {
       config.backend = Backend::kNccl;
+    } else if (*name == "gloo") {
+      config.backend = Backend::kGloo;
     } else {
       return make_error(ErrorCode::kInvalidArgument,
-                        "ZINF_COMM='{}' is not a backend: use local, mpi or nccl",
+                        "ZINF_COMM='{}' is not a backend: use local, mpi, nccl or gloo",
                         std::string(*name));
     }
     if (config.backend == Backend::kMpi && !built.mpi) {
@@ -154,11 +157,17 @@ Result<CommConfig> parse_comm_env(const GetEnv& getenv, BackendsBuilt built) {
                         "ZINF_COMM=nccl, but this build has no NCCL backend (configure with "
                         "-DZINF_CUDA=ON)");
     }
+    if (config.backend == Backend::kGloo && !built.gloo) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "ZINF_COMM=gloo, but this build has no Gloo backend (configure with "
+                        "-DZINF_GLOO=ON)");
+    }
     return config;
   }
 
   // What the launcher implies, backends in order (STYLE.md 4): NCCL when it is built and a GPU
-  // is visible, then MPI (processes started by mpirun or srun), then local threads.
+  // is visible, then MPI (processes started by mpirun or srun), then Gloo (processes started by
+  // a torchrun-style launcher, or by hand, on CPUs), then local threads.
   const bool nccl_first = built.nccl && built.gpus;
   switch (config.source) {
     case EnvSource::kNone:
@@ -182,10 +191,13 @@ Result<CommConfig> parse_comm_env(const GetEnv& getenv, BackendsBuilt built) {
         config.backend = Backend::kNccl;
       } else if (config.world_size == 1) {
         config.backend = Backend::kLocal;
+      } else if (built.gloo) {
+        config.backend = Backend::kGloo;
       } else {
         return make_error(ErrorCode::kInvalidArgument,
                           "WORLD_SIZE={} from a torchrun-style launcher needs the nccl backend "
-                          "and a GPU ({}); launch with mpirun instead or set ZINF_COMM",
+                          "and a GPU ({}) or the gloo backend (this build has none: configure "
+                          "with -DZINF_GLOO=ON); launch with mpirun instead or set ZINF_COMM",
                           config.world_size,
                           built.nccl ? "no GPU is visible" : "this build has no NCCL backend");
       }

@@ -11,6 +11,9 @@
 #if ZINF_COMM_HAVE_NCCL
 #include "zinf/comm/nccl.h"
 #endif
+#if ZINF_COMM_HAVE_GLOO
+#include "zinf/comm/gloo.h"
+#endif
 
 namespace zinf::comm {
 
@@ -20,8 +23,10 @@ BackendsBuilt backends_built() {
 #else
   const bool gpus = false;
 #endif
-  return BackendsBuilt{
-      .mpi = ZINF_COMM_HAVE_MPI != 0, .nccl = ZINF_COMM_HAVE_NCCL != 0, .gpus = gpus};
+  return BackendsBuilt{.mpi = ZINF_COMM_HAVE_MPI != 0,
+                       .nccl = ZINF_COMM_HAVE_NCCL != 0,
+                       .gloo = ZINF_COMM_HAVE_GLOO != 0,
+                       .gpus = gpus};
 }
 
 bool backend_available(Backend backend) {
@@ -32,6 +37,8 @@ bool backend_available(Backend backend) {
       return backends_built().mpi;
     case Backend::kNccl:
       return backends_built().nccl;
+    case Backend::kGloo:
+      return backends_built().gloo;
   }
   return false;
 }
@@ -51,11 +58,12 @@ Result<std::unique_ptr<Communicator>> create_communicator(const CommConfig& conf
   switch (config.backend) {
     case Backend::kLocal: {
       if (config.world_size != 1) {
-        return make_error(ErrorCode::kInvalidArgument,
-                          "the local backend runs ranks as threads of one process: a world of {} "
-                          "processes needs mpi or nccl (ZINF_COMM), or make_local_group({}) in "
-                          "one process",
-                          config.world_size, config.world_size);
+        return make_error(
+            ErrorCode::kInvalidArgument,
+            "the local backend runs ranks as threads of one process: a world of {} "
+            "processes needs mpi, nccl or gloo (ZINF_COMM), or make_local_group({}) in "
+            "one process",
+            config.world_size, config.world_size);
       }
       ZINF_ASSIGN_OR_RETURN(auto group, make_local_group(1, {.timeout = config.timeout}));
       return std::move(group[0]);
@@ -100,6 +108,20 @@ Result<std::unique_ptr<Communicator>> create_communicator(const CommConfig& conf
       return make_nccl_communicator(std::move(options));
 #else
       return make_error(ErrorCode::kInvalidArgument, "this build has no NCCL backend");
+#endif
+    }
+    case Backend::kGloo: {
+#if ZINF_COMM_HAVE_GLOO
+      return make_gloo_communicator(
+          {.rank = config.rank,
+           .world_size = config.world_size,
+           .master_addr = config.master_addr,
+           .master_port = config.master_port,
+           .store_bind = config.store_bind.empty() ? std::string("127.0.0.1") : config.store_bind,
+           .iface = config.gloo_iface,
+           .timeout = config.timeout});
+#else
+      return make_error(ErrorCode::kInvalidArgument, "this build has no Gloo backend");
 #endif
     }
   }

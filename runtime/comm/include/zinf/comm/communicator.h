@@ -1,5 +1,6 @@
 // The Communicator contract: the collectives ZeRO is made of, one API over three backends
-// (local threads, MPI processes, NCCL on GPUs). docs/communicators.md has the long form.
+// (local threads, MPI processes, NCCL on GPUs, Gloo processes without MPI). docs/communicators.md
+// has the long form.
 //
 // Issue order and asynchrony
 //   Every operation is enqueued on the communicator's stream (one worker thread per
@@ -60,7 +61,7 @@
 
 namespace zinf::comm {
 
-enum class Backend : uint8_t { kLocal, kMpi, kNccl };
+enum class Backend : uint8_t { kLocal, kMpi, kNccl, kGloo };
 std::string_view backend_name(Backend backend);
 
 enum class ReduceOp : uint8_t {

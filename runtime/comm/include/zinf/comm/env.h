@@ -1,6 +1,6 @@
 // Which backend, which rank, how many: read from the launcher's environment.
 //
-//   ZINF_COMM            local | mpi | nccl (default: what the launcher implies, below)
+//   ZINF_COMM            local | mpi | nccl | gloo (default: what the launcher implies, below)
 //   ZINF_COMM_TIMEOUT    seconds, > 0 (default 300): bound on every wait for a peer, in every
 //                        backend (local groups for --ranks included) and in the store rendezvous
 //   ZINF_STORE_BIND      address rank 0's TCP store binds to (default MASTER_ADDR when it is
@@ -12,7 +12,8 @@
 // Rank and world come from the first family that is present, in that order (torchrun, OpenMPI,
 // Slurm); none present means one rank. Without ZINF_COMM, launched processes take the backends in
 // order (STYLE.md 4): nccl when it is built and a GPU is visible, else mpi under mpirun or srun;
-// a torchrun world of one without a GPU is local; no launcher at all is one local rank.
+// a torchrun-style world without a GPU is gloo (local for a world of one); no launcher at all is
+// one local rank. GLOO_SOCKET_IFNAME names the interface Gloo listens on (gloo.h).
 #pragma once
 
 #include <chrono>
@@ -35,6 +36,7 @@ struct CommConfig {
   std::string master_addr = "127.0.0.1";
   uint16_t master_port = 29500;
   std::string store_bind;  // what rank 0's store binds to; empty: 127.0.0.1
+  std::string gloo_iface;  // GLOO_SOCKET_IFNAME; empty: the address that routes to master_addr
   std::chrono::milliseconds timeout = kDefaultTimeout;
   EnvSource source = EnvSource::kNone;
   bool backend_explicit = false;  // ZINF_COMM was set
@@ -44,6 +46,7 @@ struct CommConfig {
 struct BackendsBuilt {
   bool mpi = false;
   bool nccl = false;
+  bool gloo = false;
   bool gpus = false;  // at least one CUDA device is visible
 };
 
