@@ -1,16 +1,21 @@
 #!/bin/sh
 # A run across two "hosts": two network namespaces joined by a veth pair (10.213.R.1 and
-# 10.213.R.2), made here and removed on exit. mpirun starts inside the first; its launch agent
-# (in place of ssh) enters the second with `ip netns exec`. MPI may only use TCP over that link
-# (no shared memory), so every collective crosses it. A ZeRO-3 run with parameters and optimizer
-# on NVMe, 2 processes (one per host) and 4 (two per host), must give the same exported weights,
-# byte for byte, as the same run with local ranks, and the link must have carried at least the
-# run's ZeRO volume.
+# 10.213.R.2), made here and removed on exit. A ZeRO-3 run with parameters and optimizer on NVMe,
+# 2 processes (one per host) and 4 (two per host), must give the same exported weights, byte for
+# byte, as the same run with local ranks, and the link must have carried at least the run's ZeRO
+# volume. Two launches:
+#   mpi   mpirun starts inside the first namespace; its launch agent (in place of ssh) enters the
+#         second with `ip netns exec`. MPI may only use TCP over that link (no shared memory), so
+#         every collective crosses it.
+#   gloo  no MPI: each rank is started by hand in its namespace with torchrun's variables
+#         (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR = the first host's address),
+#         meets the others through rank 0's TCP store (with a token, as it listens beyond
+#         loopback), and Gloo connects the ranks over the link.
 #
-#   two_hosts.sh MPIEXEC ZINF DIR
+#   two_hosts.sh mpi|gloo MPIEXEC ZINF DIR     (MPIEXEC is not used for gloo)
 # Exits 77 (skipped) where network namespaces cannot be made (no root, no `ip`, no netns support).
 set -u
-mpiexec=$1 zinf=$2 dir=$3
+mode=$1 mpiexec=$2 zinf=$3 dir=$4
 command -v ip > /dev/null 2>&1 || { echo "skipped: no ip command"; exit 77; }
 tag=$$
 ns1=zinf-h1-$tag ns2=zinf-h2-$tag
@@ -68,12 +73,30 @@ for np in 2 4; do
   "$zinf" $train --ranks "$np" --nvme-path "$dir/swap-local" --export "$dir/local-$np.safetensors" ||
     { echo "local run of $np ranks failed"; exit 1; }
   before=$(link_bytes)
-  ip netns exec "$ns1" env ZINF_COMM_TIMEOUT=120 "$mpiexec" --allow-run-as-root --oversubscribe \
-    -np "$np" --host "$a1:$per_host,$a2:$per_host" \
-    --mca plm_rsh_agent "$dir/agent" --mca plm_rsh_no_tree_spawn 1 \
-    --mca btl tcp,self --mca btl_tcp_if_include "$net.0/24" --mca oob_tcp_if_include "$net.0/24" \
-    -x ZINF_COMM_TIMEOUT \
-    "$zinf" $train --nvme-path "$dir/swap" --export "$dir/hosts-$np.safetensors"
+  if [ "$mode" = mpi ]; then
+    ip netns exec "$ns1" env ZINF_COMM_TIMEOUT=120 "$mpiexec" --allow-run-as-root --oversubscribe \
+      -np "$np" --host "$a1:$per_host,$a2:$per_host" \
+      --mca plm_rsh_agent "$dir/agent" --mca plm_rsh_no_tree_spawn 1 \
+      --mca btl tcp,self --mca btl_tcp_if_include "$net.0/24" --mca oob_tcp_if_include "$net.0/24" \
+      -x ZINF_COMM_TIMEOUT \
+      "$zinf" $train --nvme-path "$dir/swap" --export "$dir/hosts-$np.safetensors"
+  else
+    token=$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')
+    pids=
+    r=0
+    while [ $r -lt "$np" ]; do
+      if [ $r -lt $per_host ]; then ns=$ns1; else ns=$ns2; fi
+      ip netns exec "$ns" env -u ZINF_COMM RANK=$r WORLD_SIZE="$np" LOCAL_RANK=$((r % per_host)) \
+        LOCAL_WORLD_SIZE=$per_host MASTER_ADDR="$a1" MASTER_PORT=29500 ZINF_STORE_TOKEN="$token" \
+        ZINF_COMM_TIMEOUT=120 \
+        "$zinf" $train --nvme-path "$dir/swap" --export "$dir/hosts-$np.safetensors" &
+      pids="$pids $!"
+      r=$((r + 1))
+    done
+    failed=0
+    for p in $pids; do wait "$p" || failed=1; done
+    [ $failed -eq 0 ]
+  fi
   rc=$?
   carried=$(($(link_bytes) - before))
   # The run's ZeRO volume at stage 3, bf16: 3 x P x 2 bytes per step, over 6 steps; of it a rank
@@ -94,5 +117,5 @@ for np in 2 4; do
   fi
   [ -z "$(ls -A "$dir/swap")" ] || { echo "swap left behind: $(ls "$dir/swap")"; status=1; }
 done
-[ $status -eq 0 ] && echo "two hosts: identical"
+[ $status -eq 0 ] && echo "two hosts ($mode): identical"
 exit $status

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <charconv>
 #include <condition_variable>
 #include <cstring>
 #include <map>
@@ -61,11 +62,28 @@ class StoreAdapter final : public gloo::rendezvous::Store {
     return std::vector<char>(value->begin(), value->end());
   }
   void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
+  // Gloo waits for key "<r>" (rank r's addresses) or "rank_<r>": a timeout names the ranks.
   void wait(const std::vector<std::string>& keys,
             const std::chrono::milliseconds& timeout) override {
     std::vector<std::string> full;
     for (const std::string& k : keys) full.push_back(prefix_ + k);
-    throw_if(client_.wait(full, timeout));
+    Status s = client_.wait(full, timeout);
+    if (s.code() == ErrorCode::kTimeout) {
+      std::vector<int> ranks;
+      for (const std::string& k : keys) {
+        std::string_view digits(k);
+        if (digits.starts_with("rank_")) digits.remove_prefix(5);
+        int r = -1;
+        auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), r);
+        if (ec == std::errc() && end == digits.data() + digits.size()) ranks.push_back(r);
+      }
+      if (!ranks.empty()) {
+        throw std::runtime_error(fmt::format("{} did not reach the rendezvous within {:.1f} s ({})",
+                                             detail::format_ranks(ranks), timeout.count() / 1000.0,
+                                             s.message()));
+      }
+    }
+    throw_if(s);
   }
 
  private:
