@@ -4,8 +4,9 @@
 //   busbw = algbw * (n-1)/n for all_gather and reduce_scatter, algbw * 2(n-1)/n for all_reduce:
 //           the per-rank wire rate of a ring, comparable across world sizes and with the
 //           hardware's link bandwidth.
-// Runs the local backend (--ranks threads in this process), or the MPI backend when started by
-// mpirun (or whatever ZINF_COMM and the launcher's variables select).
+// Runs the local backend (--ranks threads in this process), the MPI backend when started by
+// mpirun, the Gloo backend when started with torchrun's variables (or whatever ZINF_COMM and the
+// launcher's variables select).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -106,15 +107,20 @@ void run(const Args& a, bool ranks_given) {
   if (a.iters < 1) throw CliError("--iters must be at least 1", 2);
   if (a.warmup < 0) throw CliError("--warmup must be >= 0", 2);
 
-  // The backend: what the launcher implies (mpirun: MPI), else --ranks local threads.
+  // The backend: what the launcher implies (mpirun: MPI; RANK/WORLD_SIZE: Gloo), else --ranks
+  // local threads.
   auto config = comm::comm_config_from_env();
   if (!config.is_ok()) fail(config.status());
   if (config->backend == comm::Backend::kNccl) {
-    // The buffers here are host memory: measure MPI, which mpirun implies on a CPU machine.
-    if (config->backend_explicit || !comm::backend_available(comm::Backend::kMpi)) {
-      throw CliError("zinf bench comm measures the host-memory backends (local, mpi), not nccl", 2);
+    // The buffers here are host memory: measure the CPU backend the launcher implies (Gloo for a
+    // torchrun-style launch, MPI under mpirun or srun).
+    const bool gloo = config->source == comm::EnvSource::kTorchrun &&
+                      comm::backend_available(comm::Backend::kGloo);
+    if (config->backend_explicit || (!gloo && !comm::backend_available(comm::Backend::kMpi))) {
+      throw CliError(
+          "zinf bench comm measures the host-memory backends (local, mpi, gloo), not nccl", 2);
     }
-    config->backend = comm::Backend::kMpi;
+    config->backend = gloo ? comm::Backend::kGloo : comm::Backend::kMpi;
   }
   const bool processes = config->backend != comm::Backend::kLocal;
   std::vector<std::unique_ptr<Communicator>> comms;
@@ -230,7 +236,7 @@ void setup(CLI::App& sub) {
 
 const Registration kReg{"bench", "comm",
                         "Collective bandwidth (algbw, busbw as nccl-tests defines them): local "
-                        "threads, or MPI under mpirun",
+                        "threads, MPI under mpirun, or Gloo with torchrun's variables",
                         &setup};
 
 }  // namespace
