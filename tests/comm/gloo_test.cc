@@ -154,9 +154,34 @@ TEST(Gloo, AFailedRankAbortsAndEveryPeerStopsWithItsErrorLongBeforeTheTimeout) {
       EXPECT_EQ(s.code(), ErrorCode::kUnavailable) << s.to_string();
       EXPECT_THAT(s.message(), HasSubstr("rank 1 failed: write of 4096 bytes of swap-0.bin: EIO; "
                                          "the Gloo communicator is aborted"));
-      // Broken for good, and a rank that reacts by aborting too does not hide the cause.
+      // Broken for good; aborting in turn sends nothing more (the peers know already).
       comm->abort(make_error(ErrorCode::kUnavailable, "an echo"));
       EXPECT_THAT(comm->barrier().wait().message(), HasSubstr("aborted"));
+    }
+  }
+  EXPECT_TRUE(g_comm->barrier().wait().is_ok());
+}
+
+TEST(Gloo, RanksAbortingAtOnceEachReturnPromptlyAndThePeersHearOfIt) {
+  // Ranks 0 and 1 fail at the same moment: each one's reason reaches the other (every peer has a
+  // slot of its own on the abort channel), so neither abort() waits out its send deadline.
+  const int me = g_comm->rank();
+  {
+    auto comm = make(60s);
+    std::vector<float> buf(4096, 1.0f);
+    if (me <= 1) {
+      std::this_thread::sleep_for(200ms);
+      auto start = std::chrono::steady_clock::now();
+      comm->abort(make_error(ErrorCode::kIo, "disk of rank {} is gone", me));
+      EXPECT_LT(std::chrono::steady_clock::now() - start, 1500ms);
+      EXPECT_EQ(comm->barrier().wait().code(), ErrorCode::kCancelled);
+    } else {
+      auto start = std::chrono::steady_clock::now();
+      Status s =
+          comm->all_reduce(buf.data(), buf.data(), buf.size(), DType::kF32, ReduceOp::kSum).wait();
+      EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
+      EXPECT_EQ(s.code(), ErrorCode::kUnavailable) << s.to_string();
+      EXPECT_THAT(s.message(), HasSubstr("is gone; the Gloo communicator is aborted"));
     }
   }
   EXPECT_TRUE(g_comm->barrier().wait().is_ok());

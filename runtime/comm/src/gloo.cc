@@ -27,8 +27,9 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using gloo::transport::UnboundBuffer;
 
-// Slots (Gloo's message tags): three per collective (the header, and up to two data phases: an
-// all_reduce is a reduce_scatter then an all_gather), and one far above them for aborts.
+// Slots (Gloo's message tags): a stride of four per collective, of which it uses three (the
+// header, and up to two data phases: an all_reduce is a reduce_scatter then an all_gather), and
+// one far above them for aborts.
 constexpr uint64_t kSlotsPerOp = 4;
 constexpr uint64_t kAbortSlot = uint64_t{1} << 62;
 constexpr size_t kAbortTextBytes = 1024;
@@ -42,6 +43,7 @@ constexpr std::chrono::milliseconds kWatchForever = std::chrono::hours(24 * 365)
 
 // A peer's abort message: fixed size, because a Gloo receive names its byte count.
 struct AbortMessage {
+  uint32_t valid = 0;  // 1 once a message arrived in this slot
   uint32_t length = 0;
   char text[kAbortTextBytes] = {};
 };
@@ -58,16 +60,25 @@ class StoreAdapter final : public gloo::rendezvous::Store {
   }
   std::vector<char> get(const std::string& key) override {
     Result<std::string> value = client_.get(prefix_ + key, timeout_);
-    throw_if(value.status());
+    throw_if_late({key}, timeout_, value.status());
     return std::vector<char>(value->begin(), value->end());
   }
   void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
-  // Gloo waits for key "<r>" (rank r's addresses) or "rank_<r>": a timeout names the ranks.
   void wait(const std::vector<std::string>& keys,
             const std::chrono::milliseconds& timeout) override {
     std::vector<std::string> full;
     for (const std::string& k : keys) full.push_back(prefix_ + k);
-    Status s = client_.wait(full, timeout);
+    throw_if_late(keys, timeout, client_.wait(full, timeout));
+  }
+
+ private:
+  static void throw_if(const Status& s) {
+    if (!s.is_ok()) throw std::runtime_error(s.to_string());
+  }
+  // Gloo's keys are "<r>" (rank r's addresses) and "rank_<r>" (its host name): a timeout names
+  // the ranks that did not publish theirs.
+  static void throw_if_late(const std::vector<std::string>& keys, std::chrono::milliseconds timeout,
+                            const Status& s) {
     if (s.code() == ErrorCode::kTimeout) {
       std::vector<int> ranks;
       for (const std::string& k : keys) {
@@ -84,11 +95,6 @@ class StoreAdapter final : public gloo::rendezvous::Store {
       }
     }
     throw_if(s);
-  }
-
- private:
-  static void throw_if(const Status& s) {
-    if (!s.is_ok()) throw std::runtime_error(s.to_string());
   }
   TcpStoreClient& client_;
   const std::string prefix_;
@@ -151,16 +157,15 @@ class GlooBackend final : public CommBackend {
     abort_out_buffer_.reset();
   }
 
-  // Posts the abort channel's receive (a message from any peer) and starts its watcher.
+  // Posts the abort channel's receives (one slot per peer, so that every peer's message can
+  // land, however many abort) and starts its watcher.
   Status init() {
     if (world_ == 1) return Status::ok();
     return guarded("the abort channel", [&] {
-      abort_in_buffer_ = context_->createUnboundBuffer(&abort_in_, sizeof(abort_in_));
-      std::vector<int> peers;
-      for (int j = 0; j < world_; ++j) {
-        if (j != rank_) peers.push_back(j);
-      }
-      abort_in_buffer_->recv(peers, kAbortSlot, 0, sizeof(abort_in_));
+      constexpr size_t m = sizeof(AbortMessage);
+      abort_in_.resize(world_);
+      abort_in_buffer_ = context_->createUnboundBuffer(abort_in_.data(), world_ * m);
+      for (int j : peers()) abort_in_buffer_->recv(j, kAbortSlot, j * m, m);
       watcher_ = std::thread([this] { watch(); });
       return Status::ok();
     });
@@ -170,21 +175,26 @@ class GlooBackend final : public CommBackend {
   int rank() const override { return rank_; }
   int world_size() const override { return world_; }
 
+  // This rank's waits fail at once; the peers get the reason on the abort slot. fail() (the
+  // stream thread closing the connections) waits for the reason to leave first.
   void abort(const Status& reason) override {
     bool tell_peers = false;
     {
       std::lock_guard lock(mu_);
-      if (abort_called_) return;
-      abort_called_ = true;
+      if (self_aborted_) return;
+      self_aborted_ = true;
+      own_abort_ =
+          make_error(ErrorCode::kCancelled, "rank {} failed: {}; the Gloo communicator is aborted",
+                     rank_, reason.detail());
       tell_peers = !peer_aborted_ && world_ > 1;
+      abort_sending_ = tell_peers;
+      wake_waiters_locked();
     }
-    if (tell_peers) send_abort(reason.detail());
+    if (!tell_peers) return;
+    send_abort(reason.detail());
     std::lock_guard lock(mu_);
-    self_aborted_ = true;
-    own_abort_ =
-        make_error(ErrorCode::kCancelled, "rank {} failed: {}; the Gloo communicator is aborted",
-                   rank_, reason.detail());
-    wake_waiters_locked();
+    abort_sending_ = false;
+    abort_cv_.notify_all();
   }
 
   Status run(const Collective& c) override {
@@ -234,6 +244,12 @@ class GlooBackend final : public CommBackend {
   // land in a buffer whose operation failed, and peers still waiting on this rank fail promptly.
   Status fail(Status error) {
     broken_ = std::move(error);
+    {
+      // An abort of this rank's own may still be telling the peers: closing now would cut it.
+      std::unique_lock lock(mu_);
+      abort_cv_.wait_for(lock, kAbortSendWait + std::chrono::seconds(1),
+                         [&] { return !abort_sending_; });
+    }
     try {
       if (context_) context_->closeConnections();
     } catch (const std::exception& e) {
@@ -263,6 +279,7 @@ class GlooBackend final : public CommBackend {
 
   // Sends `text` to every peer on the abort slot and waits (boundedly) for it to leave.
   void send_abort(const std::string& text) {
+    abort_out_.valid = 1;
     abort_out_.length = static_cast<uint32_t>(std::min(text.size(), kAbortTextBytes));
     std::memcpy(abort_out_.text, text.data(), abort_out_.length);
     try {
@@ -270,8 +287,14 @@ class GlooBackend final : public CommBackend {
       for (int j = 0; j < world_; ++j) {
         if (j != rank_) abort_out_buffer_->send(j, kAbortSlot, 0, sizeof(abort_out_));
       }
-      const auto wait = std::min(timeout_, kAbortSendWait);
-      for (int j = 1; j < world_; ++j) abort_out_buffer_->waitSend(nullptr, wait);
+      // One deadline for all of them (each waitSend takes what is left of it).
+      const auto deadline = Clock::now() + std::min(timeout_, kAbortSendWait);
+      for (int j = 1; j < world_; ++j) {
+        abort_out_buffer_->waitSend(
+            nullptr,
+            std::max(std::chrono::milliseconds(1),
+                     std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now())));
+      }
     } catch (const std::exception& e) {
       // A peer that is gone, or one that does not take the message in time: the others still
       // learn of the abort when this rank's connections close.
@@ -279,23 +302,30 @@ class GlooBackend final : public CommBackend {
     }
   }
 
-  // The watcher: waits for the first peer's abort message, then fails this rank's waits.
+  // The watcher: waits for the first peer's abort message, then fails this rank's waits. It stops
+  // when the destructor wakes it, or when a connection fails (a peer that ended its run, or one
+  // that died: the waits in flight on that peer see the failure themselves).
   void watch() {
-    int source = -1;
     bool received = false;
     try {
-      received = abort_in_buffer_->waitRecv(&source, kWatchForever);
+      received = abort_in_buffer_->waitRecv(nullptr, kWatchForever);
     } catch (const std::exception&) {
-      return;  // the connections failed: the waits in flight see it themselves
+      return;
     }
     std::lock_guard lock(mu_);
     if (!received || shutting_down_) return;
-    const size_t n = std::min<size_t>(abort_in_.length, kAbortTextBytes);
-    peer_aborted_ = true;
-    peer_abort_ =
-        make_error(ErrorCode::kUnavailable, "rank {} failed: {}; the Gloo communicator is aborted",
-                   source, std::string(abort_in_.text, n));
-    wake_waiters_locked();
+    // Gloo names only the latest sender of a buffer: the message itself says whose it is.
+    for (int j : peers()) {
+      const AbortMessage& m = abort_in_[j];
+      if (m.valid != 1) continue;
+      const size_t n = std::min<size_t>(m.length, kAbortTextBytes);
+      peer_aborted_ = true;
+      peer_abort_ = make_error(ErrorCode::kUnavailable,
+                               "rank {} failed: {}; the Gloo communicator is aborted", j,
+                               std::string(m.text, n));
+      wake_waiters_locked();
+      return;
+    }
   }
 
   // Registers the buffers whose waits an abort must interrupt, for the registration's lifetime.
@@ -342,9 +372,8 @@ class GlooBackend final : public CommBackend {
     Waiting waiting(*this, buffers);
     ZINF_RETURN_IF_ERROR(abort_status());
     auto remaining = [&] {
-      return std::max(
-          std::chrono::milliseconds(1),
-          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()));
+      return std::max(std::chrono::milliseconds(1),
+                      std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now()));
     };
     size_t done = 0;
     try {
@@ -355,7 +384,9 @@ class GlooBackend final : public CommBackend {
         if (!out->waitSend(nullptr, remaining())) return abort_status();
       }
     } catch (const std::exception& e) {
-      if (Clock::now() >= deadline) {
+      // Gloo's own timeout (the wait was given what was left until the deadline), or a failure.
+      if (Clock::now() >= deadline ||
+          std::string_view(e.what()).find("Timed out waiting") != std::string_view::npos) {
         // The receives that did complete still count theirs; the rest failed with the timeout.
         std::vector<int> late;
         for (size_t k = done; k < in.size(); ++k) {
@@ -515,7 +546,7 @@ class GlooBackend final : public CommBackend {
   Status broken_;  // stream thread only
 
   // The abort channel.
-  AbortMessage abort_in_;
+  std::vector<AbortMessage> abort_in_;  // rank j's message in slot j
   AbortMessage abort_out_;
   std::unique_ptr<UnboundBuffer> abort_in_buffer_;
   std::unique_ptr<UnboundBuffer> abort_out_buffer_;
@@ -523,8 +554,8 @@ class GlooBackend final : public CommBackend {
   std::mutex mu_;  // guards what follows
   std::condition_variable abort_cv_;
   std::vector<UnboundBuffer*> waiting_;  // buffers the stream thread is waiting on
-  bool abort_called_ = false;
   bool self_aborted_ = false;
+  bool abort_sending_ = false;  // abort() is still handing the reason to the peers
   bool peer_aborted_ = false;
   bool shutting_down_ = false;
   Status own_abort_;

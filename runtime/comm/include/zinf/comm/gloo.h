@@ -18,7 +18,9 @@
 // communicator is broken; abort(reason) sends the reason to every peer on a channel of its own
 // (a fixed Gloo slot), and each peer's wait in flight returns at once with kUnavailable naming
 // the rank and its reason. A broken communicator closes its connections, so no peer's data can
-// land in a buffer after its operation failed, and peers still waiting fail promptly.
+// land in a buffer after its operation failed, and peers still waiting fail promptly. A peer
+// that dies: receives from it fail at once; a send to it already being written ends at the
+// timeout (Gloo does not report the lost connection to it).
 #pragma once
 
 #include <chrono>
@@ -46,7 +48,8 @@ struct GlooOptions {
 
 // Connects the ranks (every rank calls it with the same master address and port) and returns
 // this rank's communicator. Communicators created one after another in a job each get a store
-// prefix of their own, so every rank must create them in the same order.
+// prefix of their own, so every rank must create them in the same order; they share rank 0's
+// store while any of them lives, so keep one alive while making the next (or use another port).
 Result<std::unique_ptr<Communicator>> make_gloo_communicator(GlooOptions options);
 
 // The local address (numeric) that this host's routing would use to reach `host`:`port`.
