@@ -320,6 +320,10 @@ Result<IoBenchResult> run_io_bench(const IoBenchOptions& o, const IoBenchProgres
   if (!write) {  // lay the file out first (untimed), as fio does
     Pass layout(*engine, files, o, /*write=*/true, /*random=*/false, slots);
     ZINF_RETURN_IF_ERROR(layout.run("layout", progress, &seconds));
+    // And make it durable before timing the reads, as fio does (create_fsync): a write the
+    // device acknowledged may still be on its way to the medium, and reads would share the device
+    // with it.
+    for (File& file : files) ZINF_RETURN_IF_ERROR(file.sync());
   }
   Pass timed(*engine, files, o, write, random, slots);
   ZINF_RETURN_IF_ERROR(timed.run(pattern_name(o.pattern), progress, &seconds));

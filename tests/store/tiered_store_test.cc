@@ -314,6 +314,37 @@ TEST_F(StoreTest, OverwriteAccessFetchesNothing) {
   expect(id, Tier::kHost, 4);
 }
 
+// A spent gradient accumulator: discard() drops its dirty host copy without writing it to NVMe
+// (the saving the engine counts on), the home's older bytes stand for the contents afterwards
+// (and still pass their checksums), and a copy in use, or the home, is left alone.
+TEST_F(StoreTest, DiscardDropsADirtyCopyWithoutWritingItBack) {
+  build();
+  TensorId id = make("grad_acc", 2 << 20, Tier::kNvme);
+  write(id, Tier::kHost, 3);
+  ASSERT_TRUE(store_->flush(id).is_ok());  // NVMe holds 3
+  write(id, Tier::kHost, 4);               // the host copy (4) is the only valid one
+  const uint64_t written = store_->stats().bytes_nvme_written;
+  {
+    auto h = store_->acquire(id, Tier::kHost);
+    ASSERT_TRUE(h.is_ok());
+    ASSERT_TRUE(store_->discard(id, Tier::kHost).is_ok());  // pinned: left as it is
+    EXPECT_TRUE(store_->residency(id).valid[1]);
+    EXPECT_FALSE(store_->residency(id).valid[2]);
+  }
+  ASSERT_TRUE(store_->discard(id, Tier::kHost).is_ok());
+  Residency r = store_->residency(id);
+  EXPECT_FALSE(r.allocated[1]);
+  EXPECT_TRUE(r.valid[2]);
+  EXPECT_EQ(store_->stats().bytes_nvme_written, written);  // nothing was written
+  EXPECT_EQ(store_->stats().discards, 1u);
+  expect(id, Tier::kHost, 3);  // the older contents, read back through their checksums
+  EXPECT_EQ(store_->discard(id, Tier::kNvme).code(), ErrorCode::kInvalidArgument);
+  // A clean copy goes like an eviction (no write either way), and is not counted.
+  ASSERT_TRUE(store_->discard(id, Tier::kHost).is_ok());
+  EXPECT_FALSE(store_->residency(id).allocated[1]);
+  EXPECT_EQ(store_->stats().discards, 1u);
+}
+
 // A copy the store is reading for its own move (here: the host copy a prefetch copies to the
 // device) is not "pinned": evict() waits for the move instead of failing, and both the moved
 // copy and the home hold the data afterwards.

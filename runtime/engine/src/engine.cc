@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 
 #include "builder.h"
 #include "checkpoint.h"
@@ -61,12 +62,21 @@ struct Engine::Impl {
     // back later): the step goes on.
     Status writeback = e.finish_evictions();
     if (local.is_ok()) local = optimizer.zero_untouched_accumulators();
-    auto exchanged = global_norm(local);
+    // A step() that finishes an update left incomplete uses the norm every rank agreed on: the
+    // accumulators of the pieces already updated are spent (dropped unwritten) by now.
+    Result<GlobalNorm> exchanged = GlobalNorm{};
+    if (agreed_norm) {
+      exchanged = *agreed_norm;
+      exchanged->ok &= local.is_ok();
+    } else {
+      exchanged = global_norm(local);
+    }
     if (!exchanged.is_ok()) {  // the exchange itself failed: nothing was updated anywhere
       e.update_incomplete = true;
       return exchanged.status();
     }
     const GlobalNorm norm = *exchanged;
+    if (norm.ok) agreed_norm = norm;
     info.grad_norm = norm.ok ? std::sqrt(norm.sum_squares) : 0;
     // A non-finite norm (fp16: an overflow) skips the update, in every precision. Every rank sees
     // the same partials and decides the same.
@@ -114,6 +124,9 @@ struct Engine::Impl {
     bool ok = true;  // every rank computed its partial (and `local` is ok)
     double sum_squares = 0;
   };
+  // The norm of this step's gradients once every rank computed its partial, until the step
+  // commits or is skipped (see step()).
+  std::optional<GlobalNorm> agreed_norm;
   Result<GlobalNorm> global_norm(Status& local) {
     GlobalNorm norm;
     if (e.s.gradient_clipping > 0 || checks_nonfinite()) {
@@ -163,6 +176,7 @@ struct Engine::Impl {
   // scale goes down. The skip counts towards max_nonfinite_steps unless the scale can still go
   // down; that many in a row fail the step, naming it.
   Status skip(StepInfo& info, double sum_squares) {
+    agreed_norm.reset();
     const bool counts = scaler.at_floor();
     info.skipped = true;
     scaler.on_overflow();
@@ -190,6 +204,7 @@ struct Engine::Impl {
 
   // Updated on every rank: the next step starts from here.
   Status commit(StepInfo& info) {
+    agreed_norm.reset();
     ++e.steps;
     nonfinite_in_a_row = 0;
     info.skipped_steps = skipped_steps;

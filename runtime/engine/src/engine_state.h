@@ -143,6 +143,12 @@ struct EngineState {
       evictions_.push_back(std::move(f));
     }
   }
+  // The tensor's contents are dead (a gradient accumulator after its update): its copy in
+  // `where` goes without a write-back to its home.
+  Status discard_offloaded(TensorId id, Tier home, Tier where) {
+    if (home == where) return Status::ok();
+    return store->discard(id, where);
+  }
   Status finish_evictions() {
     std::vector<std::shared_future<Status>> mine;
     {

@@ -331,7 +331,10 @@ Status OptimizerPipeline::update_piece(size_t pi, const kernels::AdamStepArgs& a
   const bool unit_done =
       std::all_of(st.pieces.begin(), st.pieces.end(), [&](size_t q) { return updated_[q]; });
   if (tier != Tier::kDevice) {
-    if (p.owns_acc || unit_done) e_.release_offloaded(p.acc, st.opt_home, tier);
+    // The gradient is spent: the next step overwrites the accumulator (acc_zero), so its copy
+    // here goes without being written back.
+    if (p.owns_acc || unit_done)
+      ZINF_RETURN_IF_ERROR(e_.discard_offloaded(p.acc, st.opt_home, tier));
     e_.release_offloaded(p.m, st.opt_home, tier);
     e_.release_offloaded(p.v, st.opt_home, tier);
     if (mixed) e_.release_offloaded(p.master, st.opt_home, tier);

@@ -858,6 +858,31 @@ std::shared_future<Status> TieredTensorStore::evict_async(TensorId id, Tier tier
   return future;
 }
 
+Status TieredTensorStore::discard(TensorId id, Tier tier) {
+  Impl& s = *impl_;
+  std::lock_guard lk(s.mu);
+  Tensor* t = s.get(id);
+  if (t == nullptr) return make_error(ErrorCode::kNotFound, "tensor {} does not exist", id);
+  if (tier == t->spec.home) {
+    return make_error(ErrorCode::kInvalidArgument, "tensor {}: its home ({}) cannot be discarded",
+                      t->spec.name, tier_name(tier));
+  }
+  Copy& c = t->copies[idx(tier)];
+  Copy& home = t->copies[idx(t->spec.home)];
+  if (!c.allocated || c.busy() || home.incoming || t->creating) return Status::ok();
+  for (int k = 0; k < kNumTiers; ++k) {
+    if (k != idx(tier) && k != idx(t->spec.home) && t->copies[k].valid) return Status::ok();
+  }
+  if (!home.valid) {  // the home's older bytes now stand for the (unspecified) contents
+    home.valid = true;
+    ++t->version;
+    ++s.stats.discards;
+  }
+  s.free_copy(*t, tier);
+  s.cv.notify_all();
+  return Status::ok();
+}
+
 Status TieredTensorStore::flush(TensorId id) {
   Impl& s = *impl_;
   std::unique_lock lk(s.mu);

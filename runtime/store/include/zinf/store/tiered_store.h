@@ -83,6 +83,7 @@ struct StoreStats {
   uint64_t evictions = 0;       // copies dropped to make room
   uint64_t writebacks = 0;      // dirty copies written to their home
   uint64_t stale_discards = 0;  // moves whose result was outdated by a write meanwhile
+  uint64_t discards = 0;        // dirty copies dropped unwritten by discard() (dead contents)
 };
 
 struct Residency {
@@ -147,6 +148,13 @@ class TieredTensorStore {
   // evict() on a mover thread, for copies that are neither pinned nor being filled (others are
   // left alone: the future reports ok). The future reports a failed write-back.
   std::shared_future<Status> evict_async(TensorId id, Tier tier);
+  // The caller no longer needs the tensor's contents (a gradient accumulator whose update is
+  // done): the copy in `tier` (not the home) is dropped without being written back, and the
+  // tensor's contents are unspecified until it is next written (in practice the home's older
+  // bytes, which still pass their checksums). A copy in use (pinned, being filled, read or written
+  // back) or with another valid copy beside it is left as it is, and the call changes nothing:
+  // the copy then goes the usual way. Saves writing dead data to NVMe.
+  Status discard(TensorId id, Tier tier);
   // Makes the home copy valid (writes back a dirty copy). flush_all() does every tensor.
   Status flush(TensorId id);
   Status flush_all();
