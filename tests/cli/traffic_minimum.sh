@@ -3,8 +3,9 @@
 # runs with parameters and optimizer on NVMe and a host budget smaller than the state (nothing
 # can stay cached), every step after the first moves at least the minimum, and the minimum is
 # the documented bytes per parameter (an independent copy of the formula; padding allows 1 %).
-# With the updates fused into the backward pass (--overlap-optimizer, no clipping), the bytes
-# written are the minimum itself (within 2 %): spent gradient accumulators are never written.
+# With the updates fused into the backward pass (--overlap-optimizer, no clipping), a step moves
+# at most 1.1 times the minimum: spent gradient accumulators are never written, and each unit's
+# shard reaches its update from the copy its backward gather used, not from NVMe again.
 #
 #   traffic_minimum.sh ZINF DIR
 set -u
@@ -13,14 +14,16 @@ rm -rf "$dir" && mkdir -p "$dir/swap" || exit 1
 model="--model small --dim 256"
 params=$("$zinf" train $model --describe | python3 -c 'import json,sys; print(json.load(sys.stdin)["parameters"])')
 status=0
-# dtype, clip, gradient accumulation, bytes read and written per parameter, [fused].
-for c in "fp32 0 1 16 12" "fp32 1 1 20 12" "bf16 1 1 16 14" "bf16 0 2 20 14" "fp32 0 1 16 12 fused"; do
+# dtype, clip, gradient accumulation, bytes read and written per parameter, host budget,
+# [fused]. (The NVMe-homed state is 52 MB in fp32 and 58 MB in bf16.)
+for c in "fp32 0 1 16 12 40M" "fp32 1 1 20 12 40M" "bf16 1 1 16 14 40M" "bf16 0 2 20 14 40M" \
+  "fp32 0 1 16 12 48M fused" "bf16 0 1 16 14 48M fused"; do
   set -- $c
-  fused=${6:-}
+  host=$6 fused=${7:-}
   "$zinf" train $model --steps 3 --stage 3 --dtype "$1" --clip "$2" --grad-accum "$3" \
     ${fused:+--overlap-optimizer} \
     --offload-param nvme --offload-optimizer nvme --nvme-path "$dir/swap" --device-mem 16M \
-    --host-mem 40M --quiet --log-json "$dir/log.json" || { echo "$c: exit $?"; status=1; continue; }
+    --host-mem "$host" --quiet --log-json "$dir/log.json" || { echo "$c: exit $?"; status=1; continue; }
   python3 - "$dir/log.json" "$params" "$4" "$5" "$c" "$fused" <<'PY' || status=1
 import json, sys
 log, params, per_read, per_written, case = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
@@ -37,10 +40,12 @@ for s in steps:
         print(f"{case}: step {s['step']} moved less than the minimum: read {s['nvme_read_bytes']} "
               f"< {lo_r} or written {s['nvme_written_bytes']} < {lo_w}")
         ok = False
-    if fused and s["step"] > 1 and s["nvme_written_bytes"] > 1.02 * lo_w:
-        print(f"{case}: step {s['step']} wrote {s['nvme_written_bytes']}, more than 1.02 x the "
-              f"minimum {lo_w}")
-        ok = False
+    if fused and s["step"] > 1:
+        for what, moved, least in (("read", s["nvme_read_bytes"], lo_r),
+                                    ("wrote", s["nvme_written_bytes"], lo_w)):
+            if moved > 1.1 * least:
+                print(f"{case}: step {s['step']} {what} {moved}, more than 1.1 x the minimum {least}")
+                ok = False
 last = steps[-1]
 print(f"{case}: read {last['nvme_read_bytes'] / last['nvme_read_minimum_bytes']:.2f}x, written "
       f"{last['nvme_written_bytes'] / last['nvme_written_minimum_bytes']:.2f}x the minimum")

@@ -111,9 +111,12 @@ struct EngineState {
 
   int64_t steps = 0;               // committed optimizer steps
   bool update_incomplete = false;  // the last step() failed: the next call must finish it
-  Status sticky;                   // an error from a scope's destructor, reported by the next call
-  CommReport comm_now;             // counts since the last step
-  ScheduleReport schedule_now;     // counts since the last step
+  // Units are updated during the backward pass, as soon as their gradients are final
+  // (OptimizerPipeline::updates_early(); fixed for the run).
+  bool updates_early = false;
+  Status sticky;                // an error from a scope's destructor, reported by the next call
+  CommReport comm_now;          // counts since the last step
+  ScheduleReport schedule_now;  // counts since the last step
 
   // "rank<r> <what>": this rank's track in a trace.
   std::string track(const char* what) const {

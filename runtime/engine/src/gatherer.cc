@@ -46,7 +46,11 @@ Result<void*> Gatherer::begin_use(size_t u, TensorHandle& resident) {
   ++st.scopes;
   st.used_since_gather = true;
   Status ahead = plan_ahead();
-  Status mine = finish(u);
+  // With updates fused into backward, the unit's last use of the step is followed by its update.
+  const bool for_update = e_.updates_early && e_.s.param_home == Tier::kNvme &&
+                          EngineState::compute_tier(st) == Tier::kHost && e_.sched->following() &&
+                          !e_.sched->next_use(u);
+  Status mine = finish(u, for_update);
   if (!ahead.is_ok() || !mine.is_ok()) {
     end_use(u);
     return ahead.is_ok() ? mine : ahead;
@@ -85,7 +89,7 @@ Status Gatherer::start(size_t u) {
   return Status::ok();
 }
 
-Status Gatherer::finish(size_t u) {
+Status Gatherer::finish(size_t u, bool for_update) {
   UnitState& st = e_.unit_states[u];
   if (!st.gather_in_flight) return Status::ok();
   Status ws = st.gather_work.wait();
@@ -96,6 +100,13 @@ Status Gatherer::finish(size_t u) {
   st.gather_work = comm::Work();
   st.gather_windows.clear();
   st.gathering_shard.release();
+  if (for_update && ws.is_ok()) {
+    // An optimisation only: when the host has no room, the update reads the shard as before.
+    auto host = e_.store->acquire(st.params, Tier::kHost);
+    if (!host.is_ok())
+      log::debug("engine: {} not kept on the host for its update: {}", e_.units[u].name,
+                 host.status().to_string());
+  }
   e_.release_offloaded(st.params, e_.s.param_home, Tier::kDevice);
   if (!ws.is_ok()) {
     drop(u);

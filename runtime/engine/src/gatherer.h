@@ -36,10 +36,14 @@ class Gatherer {
   Status share_updated_parameters();
 
  private:
-  Status start(size_t u);   // issues u's all-gather into a new buffer: u becomes live
-  Status finish(size_t u);  // waits for u's all-gather (if in flight), lets its shard go
-  void drop(size_t u);      // u is no longer live
-  Status plan_ahead();      // the reads and all-gathers the trace says come next
+  Status start(size_t u);  // issues u's all-gather into a new buffer: u becomes live
+  // Waits for u's all-gather (if in flight) and lets its shard go. `for_update`: u's update
+  // follows soon on the host (its last use of the step, updates fused into backward): the shard
+  // is first copied to the host from the device copy the gather used, so that the update does not
+  // read it from NVMe again.
+  Status finish(size_t u, bool for_update = false);
+  void drop(size_t u);  // u is no longer live
+  Status plan_ahead();  // the reads and all-gathers the trace says come next
 
   EngineState& e_;
 };

@@ -65,6 +65,7 @@ class OptimizerWorker {
 
 OptimizerPipeline::OptimizerPipeline(EngineState& e, const LossScaler& scaler)
     : e_(e), scaler_(scaler) {
+  e_.updates_early = updates_early();
   if (e_.s.overlap_optimizer) {
     worker_ = std::make_unique<OptimizerWorker>();
     if (!updates_early()) {
