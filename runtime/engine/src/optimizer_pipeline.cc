@@ -332,13 +332,16 @@ Status OptimizerPipeline::update_piece(size_t pi, const kernels::AdamStepArgs& a
   const bool unit_done =
       std::all_of(st.pieces.begin(), st.pieces.end(), [&](size_t q) { return updated_[q]; });
   if (tier != Tier::kDevice) {
-    // The gradient is spent: the next step overwrites the accumulator (acc_zero), so its copy
-    // here goes without being written back.
-    if (p.owns_acc || unit_done)
-      ZINF_RETURN_IF_ERROR(e_.discard_offloaded(p.acc, st.opt_home, tier));
     e_.release_offloaded(p.m, st.opt_home, tier);
     e_.release_offloaded(p.v, st.opt_home, tier);
     if (mixed) e_.release_offloaded(p.master, st.opt_home, tier);
+    if (p.owns_acc || unit_done) {
+      // The gradient is spent: the next step overwrites the accumulator (acc_zero), so its copy
+      // here goes without being written back. A copy the store is still moving is left to it;
+      // the eviction below then takes it once free (a no-op after a discard).
+      ZINF_RETURN_IF_ERROR(e_.discard_offloaded(p.acc, st.opt_home, tier));
+      e_.release_offloaded(p.acc, st.opt_home, tier);
+    }
   }
   if (e_.policy.sharded_params && unit_done) {
     e_.release_offloaded(st.params, e_.s.param_home, tier);
