@@ -91,10 +91,11 @@ test-asan: $(ASAN_DIR)/build.ninja
 	$(SAN_ENV) ASAN_OPTIONS=$(ASAN_OPTS):detect_leaks=0 ctest --test-dir $(ASAN_DIR) \
 	  --output-on-failure -j $(JOBS) --timeout 1200 -L mpi -LE gpu
 
-# TSan: the threaded parts only (the store, the communicators, the scheduler, the engine); the
-# rest is single-threaded or covered by these. MPI is left out (OpenMPI is not instrumented), and
-# comm.bench.* runs the zinf binary, which this build does not make.
-TSAN_TARGETS := comm_test store_test sched_test engine_test
+# TSan: the threaded parts only (the store, the communicators, the scheduler, the engine; label
+# unit, plus the Gloo backend's process tests, label tsan); the rest is single-threaded or covered
+# by these. MPI is left out (OpenMPI is not instrumented), and comm.bench.* runs the zinf binary,
+# which this build does not make.
+TSAN_TARGETS := comm_test comm_gloo_test store_test sched_test engine_test
 $(TSAN_DIR)/build.ninja: | deps
 	cmake -S . -B $(TSAN_DIR) $(SAN_CMAKE) -DZINF_SANITIZE=thread -DZINF_MPI=OFF \
 	  -DZINF_TEST_DIRS="comm;store;sched;engine"
@@ -108,7 +109,7 @@ TSAN_SKIP := comm\.bench\..*|.*_NOT_BUILT
 test-tsan: $(TSAN_DIR)/build.ninja
 	cmake --build $(TSAN_DIR) -j $(JOBS) --target $(TSAN_TARGETS)
 	$(SAN_ENV) taskset -c 0 ctest --test-dir $(TSAN_DIR) --output-on-failure -j $(JOBS) \
-	  --timeout 1200 -L unit -E '^($(TSAN_SKIP))$$'
+	  --timeout 1200 -L 'unit|tsan' -E '^($(TSAN_SKIP))$$'
 
 # libFuzzer targets (tests/fuzz): clang, ASan+UBSan, each run FUZZ_SECONDS from its seed corpus
 # (tests/fuzz/corpus/<target>, copied: what libFuzzer adds stays in $(FUZZ_DIR)). Fails on the
