@@ -427,6 +427,50 @@ TEST(Engine, NonFiniteGradientsAreSkippedInEveryPrecision) {
   }
 }
 
+// With updates fused into the backward pass (overlap_optimizer, no clipping) a step cannot be
+// skipped: a non-finite gradient stops the run on every rank with an error naming the unit, the
+// poisoned unit's state is left as it was (nothing non-finite reaches a parameter), and every
+// later step() and gather() returns that error instead of training on.
+TEST(Engine, FusedUpdatesStopTheRunOnANonFiniteGradient) {
+  for (int world : {1, 2}) {
+    for (float poison : {std::nanf(""), std::numeric_limits<float>::infinity()}) {
+      SCOPED_TRACE(fmt::format("world {} poison {}", world, poison));
+      EngineSettings s = base(world == 1 ? 0 : 3);
+      s.gradient_clipping = 0;
+      s.overlap_optimizer = true;
+      std::vector<Status> bad(world), again(world), gather(world);
+      std::vector<bool> finite(world, true);
+      Status ok = on_ranks(s, world, [&](Engine& e, int rank) {
+        EXPECT_TRUE(constant_grads_step(e, 0.01f, SIZE_MAX, 0).is_ok());
+        bad[rank] = constant_grads_step(e, 0.5f, rank == world - 1 ? 1 : SIZE_MAX, poison);
+        for (const auto& unit : all_params(e)) {
+          for (float x : unit) finite[rank] = finite[rank] && std::isfinite(x);
+        }
+        again[rank] = e.step();
+        auto g = e.gather(0);
+        gather[rank] = g.is_ok() ? Status::ok() : g.status();
+      });
+      ASSERT_TRUE(ok.is_ok()) << ok.to_string();
+      for (int r = 0; r < world; ++r) {
+        EXPECT_EQ(bad[r].code(), ErrorCode::kNonFinite)
+            << "rank " << r << ": " << bad[r].to_string();
+        EXPECT_EQ(again[r].code(), ErrorCode::kNonFinite) << again[r].to_string();
+        EXPECT_EQ(gather[r].code(), ErrorCode::kNonFinite) << gather[r].to_string();
+        EXPECT_TRUE(finite[r]) << "rank " << r << ": a non-finite value reached the parameters";
+      }
+      // The rank that owns the poisoned element after the reduction names the unit; the others
+      // say that another rank stopped on it.
+      int naming = 0;
+      for (int r = 0; r < world; ++r) {
+        naming += bad[r].message().find("a non-finite gradient (inf or NaN)") != std::string::npos;
+        EXPECT_NE(bad[r].message().find("non-finite gradient"), std::string::npos)
+            << bad[r].message();
+      }
+      EXPECT_EQ(naming, 1);
+    }
+  }
+}
+
 // max_nonfinite_steps in a row stop the run: step() fails naming the step; a good step in
 // between resets the count. fp16 with dynamic scaling counts only once the scale is at its
 // minimum (the halvings before are how it recovers from an overflow).

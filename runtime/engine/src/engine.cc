@@ -52,6 +52,7 @@ struct Engine::Impl {
   // skipped; a failure anywhere fails step() everywhere, each rank keeps the pieces it updated,
   // and the next step() finishes the update on every rank.
   Status step(StepInfo& info) {
+    if (!e.fatal.is_ok()) return e.fatal;
     ++step_calls;
     Status local = settle_backward(info);
     if (!e.sticky.is_ok()) {  // a scope's end could not issue its reduction: gradients missing
@@ -87,8 +88,14 @@ struct Engine::Impl {
                             .grad_scale = optimizer.combined_scale() * clip_coef(info.grad_norm)},
                            writeback);
     }
-    if (Status agreed = agreement.agree(std::move(local)); !agreed.is_ok()) {
+    // A non-finite gradient met by an update fused into the backward pass: units updated before
+    // it cannot be taken back, so no retry can make this step whole. Every rank stops.
+    const bool fatal = local.code() == ErrorCode::kNonFinite && optimizer.updates_early();
+    bool fatal_elsewhere = false;
+    if (Status agreed = agreement.agree(std::move(local), fatal, &fatal_elsewhere);
+        !agreed.is_ok()) {
       e.update_incomplete = true;  // the next step() finishes it
+      if (fatal || fatal_elsewhere || agreed.code() == ErrorCode::kNonFinite) e.fatal = agreed;
       return agreed;
     }
     e.update_incomplete = false;

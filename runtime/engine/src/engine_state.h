@@ -111,6 +111,9 @@ struct EngineState {
 
   int64_t steps = 0;               // committed optimizer steps
   bool update_incomplete = false;  // the last step() failed: the next call must finish it
+  // A failure the engine cannot go on from (a non-finite gradient met by updates fused into the
+  // backward pass): every later step() and gather returns it.
+  Status fatal;
   // Units are updated during the backward pass, as soon as their gradients are final
   // (OptimizerPipeline::updates_early(); fixed for the run).
   bool updates_early = false;

@@ -5,6 +5,7 @@
 namespace zinf::engine_detail {
 
 Status Gatherer::on_use(size_t u) {
+  if (!e_.fatal.is_ok()) return e_.fatal;
   if (e_.update_incomplete) {
     return make_error(ErrorCode::kInvalidArgument,
                       "the last step() failed (its gradients are still pending and part of the "

@@ -75,7 +75,8 @@ OptimizerPipeline::OptimizerPipeline(EngineState& e, const LossScaler& scaler)
     } else {
       log::info(
           "overlap_optimizer: updates start before the global gradient norm is known, so a "
-          "non-finite norm cannot skip the step (max_nonfinite_steps has no effect)");
+          "non-finite gradient cannot skip the step: it stops the run instead "
+          "(max_nonfinite_steps has no effect)");
     }
   }
 }
@@ -293,6 +294,30 @@ Status OptimizerPipeline::update_piece(size_t pi, const kernels::AdamStepArgs& a
   ZINF_ASSIGN_OR_RETURN(TensorHandle v, e_.store->acquire(p.v, tier));
   ZINF_ASSIGN_OR_RETURN(TensorHandle acc, e_.store->acquire(p.acc, tier));
   const uint64_t wsize = dtype_size(e_.s.dtype);
+  if (updates_early()) {
+    // Fused into the backward pass, before any global check: a non-finite gradient must not
+    // reach the state. Units updated earlier in this step cannot be taken back, so the step
+    // fails on every rank and the run stops (step() makes it fatal).
+    const uint64_t n = p.end - p.begin;
+    float* grads = static_cast<float*>(acc.data()) + (p.begin - p.acc_base);
+    bool bad = false;
+    if (tier == Tier::kDevice) {
+      e_.device->scale({.data = grads, .dtype = DType::kF32, .numel = n}, 1.0f, &bad,
+                       *e_.optimizer_stream);
+      ZINF_RETURN_IF_ERROR(sync(*e_.optimizer_stream));
+    } else {
+      bad = kernels::grad_has_nonfinite(grads, DType::kF32, n, e_.s.optimizer_threads);
+    }
+    if (bad) {
+      return make_error(ErrorCode::kNonFinite,
+                        "unit {}: a non-finite gradient (inf or NaN) while units are updated "
+                        "during the backward pass (overlap_optimizer): the units updated before "
+                        "it in this step cannot be taken back, so the run stops here with this "
+                        "unit not updated; resume from a checkpoint (without overlap_optimizer "
+                        "such a step is skipped)",
+                        e_.units[p.unit].name);
+    }
+  }
   {
     trace::Span span(e_.track("cpu adam"), "adam " + e_.units[p.unit].name);
     for (const zero::Segment& seg : zero::segments(st.layout, p.begin, p.end)) {

@@ -28,21 +28,33 @@ class StepAgreement {
     return all;
   }
 
-  // One small all-reduce: how many ranks failed their part of the step. `local` is this rank's
-  // outcome; the result fails when any rank failed (naming how many others did).
-  Status agree(Status local) {
+  // One small all-reduce: how many ranks failed their part of the step, and how many of them
+  // fatally (`fatal`: this rank's failure leaves the run unable to go on). `local` is this
+  // rank's outcome; the result fails when any rank failed (naming how many others did), and
+  // *fatal_elsewhere says whether another rank's failure was fatal.
+  Status agree(Status local, bool fatal = false, bool* fatal_elsewhere = nullptr) {
+    if (fatal_elsewhere) *fatal_elsewhere = false;
     if (comm_.world_size() == 1) return local;
-    float failed = local.is_ok() ? 0.0f : 1.0f, total = 0;
-    comm::Work w = comm_.all_reduce(&failed, &total, 1, DType::kF32, comm::ReduceOp::kSum);
-    control_elements_ += 2;
+    const float mine[2] = {local.is_ok() ? 0.0f : 1.0f, fatal ? 1.0f : 0.0f};
+    float total[2] = {0, 0};
+    comm::Work w = comm_.all_reduce(mine, total, 2, DType::kF32, comm::ReduceOp::kSum);
+    control_elements_ += 4;
     Status ws = w.wait();
+    if (ws.is_ok() && fatal_elsewhere) *fatal_elsewhere = total[1] - mine[1] > 0;
     if (!local.is_ok()) return local;
     if (!ws.is_ok()) return ws;
-    if (total > 0) {
+    if (total[1] > 0) {
+      return make_error(ErrorCode::kNonFinite,
+                        "the optimizer step failed on {} other rank(s) with a non-finite "
+                        "gradient while units were being updated during the backward pass "
+                        "(overlap_optimizer); the run cannot go on",
+                        static_cast<int>(total[1]));
+    }
+    if (total[0] > 0) {
       return make_error(ErrorCode::kUnavailable,
                         "the optimizer step failed on {} other rank(s) (their errors name the "
                         "cause); this rank's update is kept: call step() again to finish it",
-                        static_cast<int>(total));
+                        static_cast<int>(total[0]));
     }
     return Status::ok();
   }
