@@ -429,7 +429,9 @@ inline constexpr Tunable<bool> kOverlapOptimizer{
     .value = false,
     .json = "zinf.overlap_optimizer",
     .flag = "--overlap-optimizer",
-    .doc = "update each unit during the backward pass once its gradients are final",
+    .doc =
+        "update each unit during the backward pass once its gradients are final; an inf/NaN "
+        "gradient then stops the run (no skip)",
 };
 inline constexpr Tunable<bool> kChecksum{
     .name = "checksum",
