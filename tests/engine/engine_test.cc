@@ -439,7 +439,7 @@ TEST(Engine, FusedUpdatesStopTheRunOnANonFiniteGradient) {
       s.gradient_clipping = 0;
       s.overlap_optimizer = true;
       std::vector<Status> bad(world), again(world), gather(world);
-      std::vector<bool> finite(world, true);
+      std::vector<char> finite(world, 1);  // not vector<bool>: ranks write their own entries
       Status ok = on_ranks(s, world, [&](Engine& e, int rank) {
         EXPECT_TRUE(constant_grads_step(e, 0.01f, SIZE_MAX, 0).is_ok());
         bad[rank] = constant_grads_step(e, 0.5f, rank == world - 1 ? 1 : SIZE_MAX, poison);
