@@ -88,6 +88,36 @@ TEST(CommEnv, TorchrunWithoutAGpuIsGlooOrAnExplicitChoice) {
   EXPECT_EQ(mpi->backend, Backend::kMpi);
 }
 
+// zinf's store goes on MASTER_PORT, except under torchrun, whose agent already serves its own
+// store there (TORCHELASTIC_USE_AGENT_STORE=True): then on the next port; ZINF_STORE_PORT wins.
+TEST(CommEnv, TheStorePortStaysClearOfTorchrunsOwnStore) {
+  auto plain = parse({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "29511"}});
+  ASSERT_TRUE(plain.is_ok());
+  EXPECT_EQ(plain->store_port, 29511);
+  auto agent = parse({{"RANK", "0"},
+                      {"WORLD_SIZE", "2"},
+                      {"MASTER_PORT", "29511"},
+                      {"TORCHELASTIC_USE_AGENT_STORE", "True"}});
+  ASSERT_TRUE(agent.is_ok());
+  EXPECT_EQ(agent->master_port, 29511);
+  EXPECT_EQ(agent->store_port, 29512);
+  auto no_agent = parse({{"RANK", "0"},
+                         {"WORLD_SIZE", "2"},
+                         {"MASTER_PORT", "29511"},
+                         {"TORCHELASTIC_USE_AGENT_STORE", "False"}});
+  EXPECT_EQ(no_agent->store_port, 29511);
+  auto chosen = parse({{"RANK", "0"},
+                       {"WORLD_SIZE", "2"},
+                       {"TORCHELASTIC_USE_AGENT_STORE", "True"},
+                       {"ZINF_STORE_PORT", "40000"}});
+  EXPECT_EQ(chosen->store_port, 40000);
+  auto last = parse({{"MASTER_PORT", "65535"}, {"TORCHELASTIC_USE_AGENT_STORE", "True"}});
+  EXPECT_EQ(last.status().code(), ErrorCode::kInvalidArgument);
+  EXPECT_THAT(last.status().message(), HasSubstr("set ZINF_STORE_PORT"));
+  auto bad = parse({{"ZINF_STORE_PORT", "0"}});
+  EXPECT_THAT(bad.status().message(), HasSubstr("ZINF_STORE_PORT=0 is out of range"));
+}
+
 TEST(CommEnv, OpenMpi) {
   auto c = parse({{"OMPI_COMM_WORLD_RANK", "1"},
                   {"OMPI_COMM_WORLD_SIZE", "4"},

@@ -121,6 +121,21 @@ Result<CommConfig> parse_comm_env(const GetEnv& getenv, BackendsBuilt built) {
     ZINF_ASSIGN_OR_RETURN(long long port, parse_int(getenv, "MASTER_PORT", 1, 65535));
     config.master_port = static_cast<uint16_t>(port);
   }
+  // zinf's own store: not on a port torchrun's agent already serves its store on.
+  config.store_port = config.master_port;
+  if (lookup(getenv, "ZINF_STORE_PORT")) {
+    ZINF_ASSIGN_OR_RETURN(long long port, parse_int(getenv, "ZINF_STORE_PORT", 1, 65535));
+    config.store_port = static_cast<uint16_t>(port);
+  } else if (auto agent = lookup(getenv, "TORCHELASTIC_USE_AGENT_STORE");
+             agent && (*agent == "True" || *agent == "true" || *agent == "1")) {
+    if (config.master_port == 65535) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "MASTER_PORT=65535 is taken by torchrun's own store "
+                        "(TORCHELASTIC_USE_AGENT_STORE), and zinf's would go on the next port: "
+                        "set ZINF_STORE_PORT");
+    }
+    config.store_port = static_cast<uint16_t>(config.master_port + 1);
+  }
   if (auto bind = lookup(getenv, "ZINF_STORE_BIND")) {
     config.store_bind = std::string(*bind);
   } else if (lookup(getenv, "MASTER_ADDR")) {

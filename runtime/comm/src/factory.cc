@@ -98,7 +98,7 @@ Result<std::unique_ptr<Communicator>> create_communicator(const CommConfig& conf
               {.rank = config.rank,
                .world_size = config.world_size,
                .master_addr = config.master_addr,
-               .master_port = config.master_port,
+               .master_port = config.store_port,
                .bind_host =
                    config.store_bind.empty() ? std::string("127.0.0.1") : config.store_bind,
                .key = "zinf/nccl/unique_id",
@@ -116,7 +116,7 @@ Result<std::unique_ptr<Communicator>> create_communicator(const CommConfig& conf
           {.rank = config.rank,
            .world_size = config.world_size,
            .master_addr = config.master_addr,
-           .master_port = config.master_port,
+           .master_port = config.store_port,
            .store_bind = config.store_bind.empty() ? std::string("127.0.0.1") : config.store_bind,
            .iface = config.gloo_iface,
            .timeout = config.timeout});

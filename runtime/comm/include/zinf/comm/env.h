@@ -5,6 +5,9 @@
 //                        backend (local groups for --ranks included) and in the store rendezvous
 //   ZINF_STORE_BIND      address rank 0's TCP store binds to (default MASTER_ADDR when it is
 //                        set, else 127.0.0.1)
+//   ZINF_STORE_PORT      port rank 0's TCP store listens on (default MASTER_PORT; MASTER_PORT + 1
+//                        under torchrun, whose agent serves its own store on MASTER_PORT and says
+//                        so with TORCHELASTIC_USE_AGENT_STORE=True)
 //   torchrun:  RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR (default 127.0.0.1), MASTER_PORT (29500)
 //   OpenMPI:   OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_RANK
 //   Slurm:     SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID
@@ -35,8 +38,9 @@ struct CommConfig {
   int local_rank = 0;
   std::string master_addr = "127.0.0.1";
   uint16_t master_port = 29500;
-  std::string store_bind;  // what rank 0's store binds to; empty: 127.0.0.1
-  std::string gloo_iface;  // GLOO_SOCKET_IFNAME; empty: the address that routes to master_addr
+  uint16_t store_port = 29500;  // where rank 0's TCP store listens (ZINF_STORE_PORT, above)
+  std::string store_bind;       // what rank 0's store binds to; empty: 127.0.0.1
+  std::string gloo_iface;       // GLOO_SOCKET_IFNAME; empty: the address that routes to master_addr
   std::chrono::milliseconds timeout = kDefaultTimeout;
   EnvSource source = EnvSource::kNone;
   bool backend_explicit = false;  // ZINF_COMM was set

@@ -15,7 +15,7 @@ BackendsBuilt backends_built();
 
 // The process's communicator for `config`: MPI (rank and world checked against MPI's own), or
 // NCCL on device local_rank (bootstrapped through MPI under mpirun, else through the TCP store
-// at master_addr:master_port that rank 0 serves), or Gloo (through that same store). The local
+// at master_addr:store_port that rank 0 serves), or Gloo (through that same store). The local
 // backend is threads, not processes: a config for it with world_size > 1 is refused here (use
 // make_local_group); world_size 1 gives a one-rank local communicator.
 Result<std::unique_ptr<Communicator>> create_communicator(const CommConfig& config);
