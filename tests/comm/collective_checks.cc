@@ -1,12 +1,16 @@
 #include "collective_checks.h"
 
 #include <fmt/format.h>
+#include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <numeric>
+#include <thread>
 
+#include "zinf/comm/local.h"
 #include "zinf/core/dtype.h"
 
 namespace zinf::comm::test {
@@ -408,6 +412,63 @@ std::string first_difference(const std::vector<uint8_t>& got, const std::vector<
 
 std::vector<std::string> run_sweep(Communicator& comm, const SweepOptions& options) {
   return Sweep(comm, options).run();
+}
+
+std::vector<std::string> compare_with_local_group(Communicator& comm) {
+  const int world = comm.world_size(), me = comm.rank();
+  constexpr size_t kCount = 10007;
+  std::vector<std::string> failures;
+  auto local = make_local_group(world).value();
+  for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
+    std::vector<std::vector<uint8_t>> inputs;
+    for (int j = 0; j < world; ++j) inputs.push_back(test_input(j, kCount, dtype, 7));
+    std::vector<std::vector<uint8_t>> local_out(world, std::vector<uint8_t>(inputs[0].size()));
+    std::vector<Status> local_status(world);
+    std::vector<std::thread> threads;
+    for (int j = 0; j < world; ++j) {
+      threads.emplace_back([&, j] {
+        local_status[j] =
+            local[j]
+                ->all_reduce(inputs[j].data(), local_out[j].data(), kCount, dtype, ReduceOp::kAvg)
+                .wait();
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (const Status& s : local_status) {
+      if (!s.is_ok()) failures.push_back("local group: " + s.to_string());
+    }
+    std::vector<uint8_t> out(inputs[me].size());
+    Status s = comm.all_reduce(inputs[me].data(), out.data(), kCount, dtype, ReduceOp::kAvg).wait();
+    if (!s.is_ok()) {
+      failures.push_back(s.to_string());
+    } else if (std::string d = first_difference(out, local_out[me], dtype); !d.empty()) {
+      failures.push_back(fmt::format("{}: {}", dtype_name(dtype), d));
+    }
+  }
+  return failures;
+}
+
+namespace {
+class RankFailurePrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit RankFailurePrinter(int rank) : rank_(rank) {}
+  void OnTestPartResult(const ::testing::TestPartResult& result) override {
+    if (result.failed()) {
+      std::fprintf(stderr, "[rank %d] %s:%d: %s\n", rank_, result.file_name(), result.line_number(),
+                   result.summary());
+    }
+  }
+
+ private:
+  int rank_;
+};
+}  // namespace
+
+void print_only_failures_unless_rank0(int rank) {
+  if (rank == 0) return;
+  auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+  delete listeners.Release(listeners.default_result_printer());
+  listeners.Append(new RankFailurePrinter(rank));
 }
 
 }  // namespace zinf::comm::test

@@ -57,6 +57,15 @@ std::vector<uint8_t> reference_reduce(const std::vector<std::vector<uint8_t>>& i
 OpCounters expected_counters(CollectiveOp op, const std::vector<size_t>& counts, int root, int rank,
                              int world, DType dtype);
 
+// The same inputs all-reduced (kAvg) through `comm` and through a local group of its world size in
+// this process, in every dtype: the differences on this rank (empty: equal bit for bit). Every
+// rank of `comm` calls it.
+std::vector<std::string> compare_with_local_group(Communicator& comm);
+
+// For suites whose ranks are processes: rank 0 keeps gtest's report, the others print only their
+// failures, marked with the rank. Call after InitGoogleTest.
+void print_only_failures_unless_rank0(int rank);
+
 // First differing element of two byte buffers of `dtype` elements, or "" when equal.
 std::string first_difference(const std::vector<uint8_t>& got, const std::vector<uint8_t>& want,
                              DType dtype);

@@ -21,7 +21,6 @@
 
 #include "collective_checks.h"
 #include "zinf/comm/factory.h"
-#include "zinf/comm/local.h"
 
 namespace zinf::comm {
 namespace {
@@ -56,31 +55,8 @@ TEST(Gloo, EveryOperationMatchesTheRankOrderReferenceBitForBit) {
 }
 
 TEST(Gloo, ResultsEqualTheLocalBackendAtTheSameWorldSize) {
-  const int world = g_comm->world_size(), me = g_comm->rank();
-  constexpr size_t kCount = 10007;
-  auto local = make_local_group(world).value();
-  for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
-    std::vector<std::vector<uint8_t>> inputs;
-    for (int j = 0; j < world; ++j) inputs.push_back(test::test_input(j, kCount, dtype, 7));
-    std::vector<std::vector<uint8_t>> local_out(world, std::vector<uint8_t>(inputs[0].size()));
-    std::vector<std::thread> threads;
-    for (int j = 0; j < world; ++j) {
-      threads.emplace_back([&, j] {
-        Status s =
-            local[j]
-                ->all_reduce(inputs[j].data(), local_out[j].data(), kCount, dtype, ReduceOp::kAvg)
-                .wait();
-        EXPECT_TRUE(s.is_ok()) << s.to_string();
-      });
-    }
-    for (auto& t : threads) t.join();
-    std::vector<uint8_t> gloo_out(inputs[me].size());
-    ASSERT_TRUE(
-        g_comm->all_reduce(inputs[me].data(), gloo_out.data(), kCount, dtype, ReduceOp::kAvg)
-            .wait()
-            .is_ok());
-    EXPECT_EQ(test::first_difference(gloo_out, local_out[me], dtype), "") << dtype_name(dtype);
-  }
+  std::vector<std::string> failures = test::compare_with_local_group(*g_comm);
+  EXPECT_TRUE(failures.empty()) << ::testing::PrintToString(failures);
 }
 
 TEST(Gloo, MismatchedCountsFailOnEveryRankAndTheCommunicatorGoesOn) {
@@ -197,21 +173,6 @@ TEST(Gloo, TheLocalAddressTowardTheMasterIsNumeric) {
               HasSubstr("cannot resolve MASTER_ADDR 'no-such-host.invalid'"));
 }
 
-// Rank 0 keeps gtest's report; the other ranks only print their failures, marked with the rank.
-class FailurePrinter : public ::testing::EmptyTestEventListener {
- public:
-  explicit FailurePrinter(int rank) : rank_(rank) {}
-  void OnTestPartResult(const ::testing::TestPartResult& result) override {
-    if (result.failed()) {
-      std::fprintf(stderr, "[rank %d] %s:%d: %s\n", rank_, result.file_name(), result.line_number(),
-                   result.summary());
-    }
-  }
-
- private:
-  int rank_;
-};
-
 // A port nobody listens on now (the kernel's pick for a socket bound to port 0).
 int free_port() {
   int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -289,11 +250,7 @@ int main(int argc, char** argv) {
   zinf::comm::g_config = *config;
   auto comm = zinf::comm::make(std::chrono::seconds(60));
   zinf::comm::g_comm = comm.get();
-  if (comm->rank() != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-    listeners.Append(new zinf::comm::FailurePrinter(comm->rank()));
-  }
+  zinf::comm::test::print_only_failures_unless_rank0(comm->rank());
   int failed = RUN_ALL_TESTS();
   // Every rank's verdict: the job fails if any rank failed.
   float any = failed ? 1.0f : 0.0f;

@@ -6,12 +6,10 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
-#include <cstdio>
 #include <thread>
 
 #include "collective_checks.h"
 #include "zinf/comm/factory.h"
-#include "zinf/comm/local.h"
 
 namespace zinf::comm {
 namespace {
@@ -48,31 +46,8 @@ TEST(Mpi, EveryOperationMatchesTheRankOrderReferenceBitForBit) {
 }
 
 TEST(Mpi, ResultsEqualTheLocalBackendAtTheSameWorldSize) {
-  // The same inputs through a local group of the same size, inside this process.
-  const int world = g_comm->world_size(), me = g_comm->rank();
-  constexpr size_t kCount = 10007;
-  auto local = make_local_group(world).value();
-  for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16}) {
-    std::vector<std::vector<uint8_t>> inputs;
-    for (int j = 0; j < world; ++j) inputs.push_back(test::test_input(j, kCount, dtype, 7));
-    std::vector<std::vector<uint8_t>> local_out(world, std::vector<uint8_t>(inputs[0].size()));
-    std::vector<std::thread> threads;
-    for (int j = 0; j < world; ++j) {
-      threads.emplace_back([&, j] {
-        Status s =
-            local[j]
-                ->all_reduce(inputs[j].data(), local_out[j].data(), kCount, dtype, ReduceOp::kAvg)
-                .wait();
-        EXPECT_TRUE(s.is_ok()) << s.to_string();
-      });
-    }
-    for (auto& t : threads) t.join();
-    std::vector<uint8_t> mpi_out(inputs[me].size());
-    ASSERT_TRUE(g_comm->all_reduce(inputs[me].data(), mpi_out.data(), kCount, dtype, ReduceOp::kAvg)
-                    .wait()
-                    .is_ok());
-    EXPECT_EQ(test::first_difference(mpi_out, local_out[me], dtype), "") << dtype_name(dtype);
-  }
+  std::vector<std::string> failures = test::compare_with_local_group(*g_comm);
+  EXPECT_TRUE(failures.empty()) << ::testing::PrintToString(failures);
 }
 
 TEST(Mpi, MismatchedCountsFailOnEveryRankAndTheCommunicatorGoesOn) {
@@ -153,21 +128,6 @@ TEST(Mpi, AFailedRankAbortsAndEveryPeerStopsWithItsErrorLongBeforeTheTimeout) {
   EXPECT_TRUE(g_comm->barrier().wait().is_ok());
 }
 
-// Rank 0 keeps gtest's report; the other ranks only print their failures, marked with the rank.
-class FailurePrinter : public ::testing::EmptyTestEventListener {
- public:
-  explicit FailurePrinter(int rank) : rank_(rank) {}
-  void OnTestPartResult(const ::testing::TestPartResult& result) override {
-    if (result.failed()) {
-      std::fprintf(stderr, "[rank %d] %s:%d: %s\n", rank_, result.file_name(), result.line_number(),
-                   result.summary());
-    }
-  }
-
- private:
-  int rank_;
-};
-
 }  // namespace
 }  // namespace zinf::comm
 
@@ -175,11 +135,7 @@ int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   auto comm = zinf::comm::make(std::chrono::seconds(60));
   zinf::comm::g_comm = comm.get();
-  if (comm->rank() != 0) {
-    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-    listeners.Append(new zinf::comm::FailurePrinter(comm->rank()));
-  }
+  zinf::comm::test::print_only_failures_unless_rank0(comm->rank());
   int failed = RUN_ALL_TESTS();
   // Every rank's verdict: the job fails if any rank failed.
   float any = failed ? 1.0f : 0.0f;

@@ -217,7 +217,7 @@ class GlooBackend final : public CommBackend {
       case CollectiveOp::kAllReduce: {
         const size_t e = dtype_size(c.dtype);
         std::vector<size_t> chunks = even_partition(c.total(), world_);
-        std::byte* mine = scratch(chunk_, chunk_bytes_, chunks[rank_] * e);
+        std::byte* mine = chunk_.get(chunks[rank_] * e);
         ZINF_RETURN_IF_ERROR(reduce_scatter(c, c.send, mine, chunks, 1));
         return all_gather(c, mine, c.recv, chunks, 2);
       }
@@ -449,20 +449,11 @@ class GlooBackend final : public CommBackend {
                                  [&](int j) { return j == rank_ ? c.invalid : std::string(); });
   }
 
-  std::byte* scratch(std::unique_ptr<std::byte[]>& buffer, size_t& capacity, size_t bytes) {
-    if (bytes > capacity) {
-      buffer.reset(new std::byte[bytes]);
-      capacity = bytes;
-    }
-    return buffer.get();
-  }
-
   // Each rank sends its chunk to every peer and receives theirs in place in `recv`.
   Status all_gather(const Collective& c, const void* send, void* recv,
                     const std::vector<size_t>& counts, uint64_t phase) {
     const size_t e = dtype_size(c.dtype);
-    std::vector<size_t> displs(world_ + 1, 0);
-    for (int j = 0; j < world_; ++j) displs[j + 1] = displs[j] + counts[j];
+    const std::vector<size_t> displs = detail::prefix_sums(counts);
     auto* out = static_cast<std::byte*>(recv);
     if (counts[rank_] > 0 && send != out + displs[rank_] * e) {
       std::memcpy(out + displs[rank_] * e, send, counts[rank_] * e);
@@ -488,10 +479,9 @@ class GlooBackend final : public CommBackend {
                         const std::vector<size_t>& counts, uint64_t phase) {
     const size_t e = dtype_size(c.dtype);
     const size_t mine = counts[rank_];
-    std::vector<size_t> displs(world_ + 1, 0);
-    for (int j = 0; j < world_; ++j) displs[j + 1] = displs[j] + counts[j];
+    const std::vector<size_t> displs = detail::prefix_sums(counts);
     const auto* in = static_cast<const std::byte*>(send);
-    std::byte* staging = scratch(staging_, staging_bytes_, world_ * mine * e);
+    std::byte* staging = staging_.get(world_ * mine * e);
     std::vector<const void*> srcs(world_);
     for (int j = 0; j < world_; ++j) {
       srcs[j] = j == rank_ ? in + displs[rank_] * e : staging + j * mine * e;
@@ -539,11 +529,9 @@ class GlooBackend final : public CommBackend {
   std::shared_ptr<StoreSession> session_;  // rank 0's server lives while its communicators do
   std::shared_ptr<gloo::rendezvous::Context> context_;
   std::vector<detail::OpHeader> headers_;
-  std::unique_ptr<std::byte[]> staging_;  // reduce_scatter: world chunks of this rank's share
-  size_t staging_bytes_ = 0;
-  std::unique_ptr<std::byte[]> chunk_;  // all_reduce: this rank's reduced chunk
-  size_t chunk_bytes_ = 0;
-  Status broken_;  // stream thread only
+  detail::ScratchBuffer staging_;  // reduce_scatter: world chunks of this rank's share
+  detail::ScratchBuffer chunk_;    // all_reduce: this rank's reduced chunk
+  Status broken_;                  // stream thread only
 
   // The abort channel.
   std::vector<AbortMessage> abort_in_;  // rank j's message in slot j

@@ -133,12 +133,6 @@ Result<std::vector<int>> to_ints(const std::vector<size_t>& values, std::string_
   return out;
 }
 
-std::vector<size_t> prefix_sums(const std::vector<size_t>& counts) {
-  std::vector<size_t> displs(counts.size() + 1, 0);
-  for (size_t i = 0; i < counts.size(); ++i) displs[i + 1] = displs[i] + counts[i];
-  return displs;
-}
-
 // The abort channel: a rank that fails sends its reason (at most this many bytes) to every peer
 // on a communicator of its own; every rank keeps one receive from any source posted there, and
 // every wait of a collective tests it. An error broadcast rather than MPI_Abort: the peers return
@@ -431,19 +425,11 @@ class MpiBackend final : public CommBackend {
     return finish(requests, c, what);
   }
 
-  std::byte* scratch(std::unique_ptr<std::byte[]>& buffer, size_t& capacity, size_t bytes) {
-    if (bytes > capacity) {
-      buffer.reset(new std::byte[bytes]);
-      capacity = bytes;
-    }
-    return buffer.get();
-  }
-
   // Each rank sends its chunk to every peer and receives theirs in place in `recv`.
   Status all_gather(const Collective& c, const void* send, void* recv,
                     const std::vector<size_t>& counts) {
     const size_t e = dtype_size(c.dtype);
-    const std::vector<size_t> displs = prefix_sums(counts);
+    const std::vector<size_t> displs = detail::prefix_sums(counts);
     auto* out = static_cast<std::byte*>(recv);
     std::vector<Transfer> recvs, sends;
     for (int j = 0; j < world_; ++j) {
@@ -463,9 +449,9 @@ class MpiBackend final : public CommBackend {
                         const std::vector<size_t>& counts) {
     const size_t e = dtype_size(c.dtype);
     const size_t mine = counts[rank_];
-    const std::vector<size_t> displs = prefix_sums(counts);
+    const std::vector<size_t> displs = detail::prefix_sums(counts);
     const auto* in = static_cast<const std::byte*>(send);
-    std::byte* staging = scratch(staging_, staging_bytes_, world_ * mine * e);
+    std::byte* staging = staging_.get(world_ * mine * e);
     std::vector<Transfer> recvs, sends;
     std::vector<const void*> srcs(world_);
     for (int j = 0; j < world_; ++j) {
@@ -483,7 +469,7 @@ class MpiBackend final : public CommBackend {
   Status all_reduce(const Collective& c) {
     const size_t e = dtype_size(c.dtype);
     std::vector<size_t> chunks = even_partition(c.total(), world_);
-    std::byte* mine = scratch(chunk_, chunk_bytes_, chunks[rank_] * e);
+    std::byte* mine = chunk_.get(chunks[rank_] * e);
     ZINF_RETURN_IF_ERROR(reduce_scatter(c, c.send, mine, chunks));
     return all_gather(c, mine, c.recv, chunks);
   }
@@ -512,10 +498,8 @@ class MpiBackend final : public CommBackend {
   std::atomic<bool> self_aborted_{false};  // abort() was called on this rank
   std::atomic<bool> peer_aborted_{false};  // a peer's abort message arrived
   std::vector<detail::OpHeader> headers_;
-  std::unique_ptr<std::byte[]> staging_;  // reduce_scatter: world chunks of this rank's share
-  size_t staging_bytes_ = 0;
-  std::unique_ptr<std::byte[]> chunk_;  // all_reduce: this rank's reduced chunk
-  size_t chunk_bytes_ = 0;
+  detail::ScratchBuffer staging_;  // reduce_scatter: world chunks of this rank's share
+  detail::ScratchBuffer chunk_;    // all_reduce: this rank's reduced chunk
   std::vector<MPI_Request> abandoned_;
   Status broken_;
 };

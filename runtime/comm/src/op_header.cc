@@ -119,4 +119,10 @@ Status check_headers(std::span<const OpHeader> headers,
   return Status::ok();
 }
 
+std::vector<size_t> prefix_sums(const std::vector<size_t>& counts) {
+  std::vector<size_t> displs(counts.size() + 1, 0);
+  for (size_t i = 0; i < counts.size(); ++i) displs[i + 1] = displs[i] + counts[i];
+  return displs;
+}
+
 }  // namespace zinf::comm::detail

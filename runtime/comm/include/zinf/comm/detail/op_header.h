@@ -3,10 +3,13 @@
 // ranks reach the same verdict and report the same message.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "zinf/comm/communicator.h"
 
@@ -43,5 +46,25 @@ void reduce_rank_order(void* dst, const void* const* srcs, int nsrc, size_t coun
 
 // 1.0f for kSum, 1.0f / world for kAvg.
 float reduce_scale(ReduceOp op, int world);
+
+// displs[j] = counts[0] + ... + counts[j-1], for j = 0 .. counts.size() (the last is the total).
+std::vector<size_t> prefix_sums(const std::vector<size_t>& counts);
+
+// A host buffer that grows to the largest size asked of it and is reused (the host backends'
+// staging for reductions).
+class ScratchBuffer {
+ public:
+  std::byte* get(size_t bytes) {
+    if (bytes > capacity_) {
+      buffer_.reset(new std::byte[bytes]);
+      capacity_ = bytes;
+    }
+    return buffer_.get();
+  }
+
+ private:
+  std::unique_ptr<std::byte[]> buffer_;
+  size_t capacity_ = 0;
+};
 
 }  // namespace zinf::comm::detail
