@@ -5,12 +5,12 @@
 #include <tbb/parallel_for.h>
 
 #include <algorithm>
-#include <bit>
 #include <climits>
 #include <cmath>
 #include <vector>
 
 #include "zinf/core/status.h"
+#include "zinf/gpt/layer_math.h"
 
 namespace zinf::gpt {
 namespace {
@@ -122,9 +122,6 @@ void column_sums_add(const float* dy, int64_t rows, int cols, float* db) {
   });
 }
 
-constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi)
-constexpr float kGeluCubic = 0.044715f;
-
 }  // namespace
 
 void layernorm_forward(const float* x, const float* w, const float* b, int64_t rows, int dim,
@@ -227,57 +224,16 @@ void matmul_backward(const float* dy, const float* x, const float* w, int64_t ro
   if (db != nullptr) column_sums_add(dy, rows, out, db);
 }
 
-// exp(x) for the GELU loops, written so that GCC vectorises the loops that call it (no libm call,
-// no branch): x = n ln2 + r with |r| <= ln2 / 2 (Cody-Waite, ln2 in two parts), exp(r) by its
-// Taylor polynomial of degree 7 (truncation below 1e-8 relative), times 2^n built in the exponent
-// bits. Relative error about 2e-7 against libm on [-87, 88]. Outside, the exponent is clamped to
-// [-126, 127]: the result saturates to at most 2^-126 below (which vanishes in 1 + exp) and to
-// at least 2^126 above; NaN stays NaN. The clamp is on n, not on x: clamping x made GCC split
-// the loop into cases and run four times slower.
-inline float exp_vectorizable(float x) {
-  constexpr float kLog2e = 1.44269504088896341f;
-  constexpr float kLn2Hi = 0.693145751953125f;  // 16 significant bits: n * kLn2Hi is exact
-  constexpr float kLn2Lo = 1.428606765330187045e-06f;
-  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to the nearest integer
-  const float n = (x * kLog2e + kRound) - kRound;
-  const float r = (x - n * kLn2Hi) - n * kLn2Lo;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  float n_clamped = n < -126.0f ? -126.0f : n;
-  n_clamped = n_clamped > 127.0f ? 127.0f : n_clamped;
-  const auto exponent = static_cast<uint32_t>(static_cast<int32_t>(n_clamped) + 127) << 23;
-  return p * std::bit_cast<float>(exponent);
-}
-
-// 0.5 x (1 + tanh(u)) = x * sigmoid(2u): one exp per element instead of a tanh (glibc computes
-// tanhf through expm1f, which cost a quarter of a training step). exp(-2u) saturates for very
-// negative u, giving sigmoid 0 as it should.
+// The element functions are layer_math.h's, shared with the CUDA kernels.
 void gelu_forward(const float* x, int64_t n, float* y) {
   parallel_range(n, kChunkWork / 8, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const float v = x[i];
-      const float u = kGeluScale * (v + kGeluCubic * v * v * v);
-      y[i] = v / (1.0f + exp_vectorizable(-2.0f * u));
-    }
+    for (int64_t i = i0; i < i1; ++i) y[i] = gelu_value(x[i]);
   });
 }
 
-// With s = sigmoid(2u): gelu' = s + 2 x s (1 - s) du/dx (as 1 - tanh^2(u) = 4 s (1 - s)).
 void gelu_backward(const float* dy, const float* x, int64_t n, float* dx) {
   parallel_range(n, kChunkWork / 8, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const float v = x[i];
-      const float u = kGeluScale * (v + kGeluCubic * v * v * v);
-      const float s = 1.0f / (1.0f + exp_vectorizable(-2.0f * u));
-      const float du = kGeluScale * (1.0f + 3.0f * kGeluCubic * v * v);
-      dx[i] = dy[i] * (s + 2.0f * v * s * (1.0f - s) * du);
-    }
+    for (int64_t i = i0; i < i1; ++i) dx[i] = gelu_gradient(dy[i], x[i]);
   });
 }
 
