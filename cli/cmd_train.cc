@@ -426,9 +426,10 @@ const Registration kTrain{
                t::kLrSchedule));
       sub.add_option("--warmup-steps", a->warmup_steps,
                      help("Warm-up steps of the Warmup* schedules", t::kWarmupSteps));
-      sub.add_option(
-          "--device", a->device,
-          help("The top tier: auto ($ZINF_DEVICE, else cpu), cpu, cpu-strict or cuda", t::kDevice));
+      sub.add_option("--device", a->device,
+                     help("The top tier: auto ($ZINF_DEVICE, else cuda where a GPU is visible, "
+                          "else cpu), cpu, cpu-strict or cuda",
+                          t::kDevice));
       sub.add_option("--seed", a->seed,
                      help("Seed of the initialisation and the data order", t::kSeed));
       sub.add_option("--data", a->data, "Text file to train on (default: the fortunes corpus)");

@@ -27,6 +27,9 @@
 #include "zinf/gpt/data.h"
 #include "zinf/gpt/model.h"
 #include "zinf/gpt/params.h"
+#if ZINF_GPT_CUDA
+#include "zinf/gpt/gpu_model.h"
+#endif
 
 namespace zinf::gpt {
 namespace {
@@ -145,39 +148,105 @@ struct GatherFailed {
 // backward (its first gradients) to the embedding's own backward (its last), so its gradients are
 // reduced once.
 //
-// The model computes on the host in fp32: a unit's parameters are converted from the working
-// dtype (fp32, bf16 or fp16) into a host copy when it is gathered, and its gradients, summed in
-// fp32 on the host, are written to the device in the working dtype when its scope ends (16-bit
-// gradients travel through the reduction). Device memory is reached only through the device's
-// operations (UnitScope::params_to_host / grads_from_host).
+// The model computes in fp32: a unit's parameters are converted from the working dtype (fp32,
+// bf16 or fp16) into an fp32 copy when it is gathered, and its gradients, summed in fp32, are
+// written to the device in the working dtype when its scope ends (16-bit gradients travel through
+// the reduction). Where the copies live is the Buffers policy's: on the host for the CPU model
+// (HostBuffers), in GPU memory for the GPU model (GpuBuffers). Device memory is reached only
+// through the device's operations (UnitScope::params_to_host/_device, grads_from_host/_device).
 //
-// The host copies come from a small pool of buffers kept for the whole run (a few units' worth:
-// the open units' parameters and gradients), so that a step allocates nothing on the host.
+// The copies come from a small pool of buffers kept for the whole run (a few units' worth: the
+// open units' parameters and gradients), so that a step allocates nothing.
 class HostBuffers {
  public:
+  using Buffer = std::vector<float>;
+
   // A buffer of n elements: one given back earlier with that size (units of a kind are the same
   // size), or a new one. A larger one is not reused: a small unit would pin a large buffer.
-  std::vector<float> take(size_t n) {
+  Buffer take(size_t n) {
     for (auto it = free_.begin(); it != free_.end(); ++it) {
       if (it->size() == n) {
-        std::vector<float> v = std::move(*it);
+        Buffer v = std::move(*it);
         free_.erase(it);
         return v;
       }
     }
-    return std::vector<float>(n);
+    return Buffer(n);
   }
-  void give(std::vector<float> v) {
+  void give(Buffer v) {
     if (v.capacity() > 0) free_.push_back(std::move(v));
+  }
+  static float* data(Buffer& b) { return b.data(); }
+  static bool empty(const Buffer& b) { return b.empty(); }
+  Status load_params(const UnitScope& scope, Buffer& b) { return scope.params_to_host(b); }
+  Status zero(Buffer& b) {
+    std::fill(b.begin(), b.end(), 0.0f);
+    return Status::ok();
+  }
+  Status store_grads(UnitScope& scope, const Buffer& b) { return scope.grads_from_host(b); }
+
+ private:
+  std::vector<Buffer> free_;
+};
+
+#if ZINF_GPT_CUDA
+// The GPU model's fp32 copies, in GPU memory allocated on the model's stream.
+class GpuBuffers {
+ public:
+  using Buffer = cuda::DeviceArray<float>;
+
+  explicit GpuBuffers(cuda::Gpu& gpu) : gpu_(gpu) {}
+  Buffer take(size_t n) {
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+      if (it->size() == n) {
+        Buffer v = std::move(*it);
+        free_.erase(it);
+        return v;
+      }
+    }
+    Buffer v;
+    v.resize(gpu_, n);
+    return v;
+  }
+  void give(Buffer v) {
+    if (v.size() > 0) free_.push_back(std::move(v));
+  }
+  static float* data(Buffer& b) { return b.data(); }
+  static bool empty(const Buffer& b) { return b.size() == 0; }
+  // The allocation is ordered on the model's stream; the engine's cast runs on its own stream, so
+  // the model's stream is drained first.
+  Status load_params(const UnitScope& scope, Buffer& b) {
+    ZINF_RETURN_IF_ERROR(sync("allocating a unit's parameter copy"));
+    return scope.params_to_device({.data = b.data(), .size = b.size()});
+  }
+  Status zero(Buffer& b) {
+    gpu_.zero(b.data(), b.bytes());
+    return Status::ok();  // a failure surfaces at the model's next synchronisation
+  }
+  // The model has synchronised its stream before asking for another unit (and at its end), so
+  // the gradients are complete.
+  Status store_grads(UnitScope& scope, const Buffer& b) {
+    ZINF_RETURN_IF_ERROR(sync("the unit's gradients"));
+    return scope.grads_from_device({.data = b.data(), .size = b.size()});
   }
 
  private:
-  std::vector<std::vector<float>> free_;
+  Status sync(std::string_view what) {
+    const std::string e = gpu_.synchronize();
+    if (e.empty()) return Status::ok();
+    return make_error(ErrorCode::kInternal, "GPU, {}: {}", what, e);
+  }
+  cuda::Gpu& gpu_;
+  std::vector<Buffer> free_;
 };
+#endif
 
+template <typename Buffers>
 class ScopeAdapter {
  public:
-  ScopeAdapter(Engine& engine, HostBuffers& buffers) : engine_(engine), buffers_(buffers) {}
+  using Buffer = typename Buffers::Buffer;
+
+  ScopeAdapter(Engine& engine, Buffers& buffers) : engine_(engine), buffers_(buffers) {}
   ~ScopeAdapter() { (void)close_all(); }
 
   const float* params(int unit) {
@@ -189,19 +258,19 @@ class ScopeAdapter {
       it = open_.emplace(unit, Open{.scope = std::move(scope).value()}).first;
       Open& o = it->second;
       o.params = buffers_.take(o.scope.layout().numel);
-      check(o.scope.params_to_host(o.params));
+      check(buffers_.load_params(o.scope, o.params));
     }
-    return it->second.params.data();
+    return Buffers::data(it->second.params);
   }
 
   float* grads(int unit) {
     if (!open_.count(unit)) params(unit);
     Open& o = open_.at(unit);
-    if (o.grads.empty()) {
+    if (Buffers::empty(o.grads)) {
       o.grads = buffers_.take(o.scope.layout().numel);
-      std::fill(o.grads.begin(), o.grads.end(), 0.0f);
+      check(buffers_.zero(o.grads));
     }
-    return o.grads.data();
+    return Buffers::data(o.grads);
   }
 
   Status close_all() {
@@ -217,8 +286,8 @@ class ScopeAdapter {
  private:
   struct Open {
     UnitScope scope;
-    std::vector<float> params;  // fp32 host copy
-    std::vector<float> grads;   // fp32 host sums; empty until the model asks for them
+    Buffer params;  // fp32 copy
+    Buffer grads;   // fp32 sums; empty until the model asks for them
   };
 
   static void check(Status s) {
@@ -228,7 +297,7 @@ class ScopeAdapter {
   // Writes the unit's gradients (if any) to the device and ends its scope (which reduces them).
   Status close(Open& o) {
     Status s;
-    if (!o.grads.empty()) s = o.scope.grads_from_host(o.grads);
+    if (!Buffers::empty(o.grads)) s = buffers_.store_grads(o.scope, o.grads);
     Status f = o.scope.finish();
     buffers_.give(std::move(o.params));
     buffers_.give(std::move(o.grads));
@@ -237,7 +306,7 @@ class ScopeAdapter {
 
   void close_others(int unit) {
     for (auto it = open_.begin(); it != open_.end();) {
-      bool keep = it->first == 0 && !it->second.grads.empty() && unit != 0;
+      bool keep = it->first == 0 && !Buffers::empty(it->second.grads) && unit != 0;
       if (it->first == unit || keep) {
         ++it;
         continue;
@@ -249,9 +318,26 @@ class ScopeAdapter {
   }
 
   Engine& engine_;
-  HostBuffers& buffers_;
+  Buffers& buffers_;
   std::map<int, Open> open_;
 };
+
+// One micro-step of `run(scopes)` (the model's forward and backward over a ScopeAdapter): the
+// scopes still open are closed (their gradients reduced) whatever happens.
+template <typename Buffers, typename Run>
+Result<double> through_engine(Engine& engine, Buffers& buffers, Run&& run) {
+  ScopeAdapter<Buffers> scopes(engine, buffers);
+  try {
+    Result<double> loss = run(scopes);
+    Status closed = scopes.close_all();
+    if (!loss.is_ok()) return loss;
+    ZINF_RETURN_IF_ERROR(std::move(closed));
+    return loss;
+  } catch (const GatherFailed& f) {
+    (void)scopes.close_all();
+    return f.status;
+  }
+}
 
 uint64_t largest_unit_numel(const GptConfig& cfg) {
   uint64_t m = 0;
@@ -377,8 +463,41 @@ Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o
   const int T = o.seq > 0 ? o.seq : cfg.seq;
   const int B = o.batch;
   const int gas = o.engine.gradient_accumulation_steps;
+  // The model that computes where the device is: the CPU model over host copies of the units, or
+  // on CUDA the GPU model over copies in GPU memory.
   Model model(cfg);
-  HostBuffers host_buffers;  // the host copies of the units the model works on
+  HostBuffers host_buffers;
+#if ZINF_GPT_CUDA
+  std::unique_ptr<cuda::Gpu> gpu;
+  std::optional<cuda::GpuModel> gpu_model;
+  std::optional<GpuBuffers> gpu_buffers;
+  ZINF_ASSIGN_OR_RETURN(const DeviceKind device, resolve_device_kind(o.engine.device));
+  if (device == DeviceKind::kCuda) {
+    std::string error;
+    gpu = cuda::Gpu::create(&error);
+    if (gpu == nullptr) {
+      return make_error(ErrorCode::kUnavailable, "the GPT on the GPU: {}", error);
+    }
+    gpu_model.emplace(cfg, *gpu);
+    gpu_buffers.emplace(*gpu);
+  }
+#endif
+  auto micro_step = [&](const int32_t* tok, const int32_t* tgt, float loss_scale) {
+#if ZINF_GPT_CUDA
+    if (gpu_model) {
+      return through_engine(engine, *gpu_buffers, [&](auto& scopes) {
+        return gpu_model->forward_backward([&](int u) { return scopes.params(u); },
+                                           [&](int u) { return scopes.grads(u); }, tok, tgt, B, T,
+                                           loss_scale);
+      });
+    }
+#endif
+    return through_engine(engine, host_buffers, [&](auto& scopes) -> Result<double> {
+      return model.forward_backward([&](int u) { return scopes.params(u); },
+                                    [&](int u) { return scopes.grads(u); }, tok, tgt, B, T,
+                                    loss_scale);
+    });
+  };
   std::vector<int32_t> tokens(static_cast<size_t>(B) * T), targets(tokens.size());
   StoreStats last_store = engine.store_stats();
   int64_t first_step = 0;
@@ -422,17 +541,8 @@ Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o
     for (int m = 0; m < gas; ++m) {
       ZINF_RETURN_IF_ERROR(data.sample_batch(o.seed, static_cast<uint64_t>(step) * gas + m, rank, B,
                                              T, tokens.data(), targets.data()));
-      ScopeAdapter scopes(engine, host_buffers);
-      double loss = 0;
-      try {
-        loss = model.forward_backward([&](int u) { return scopes.params(u); },
-                                      [&](int u) { return scopes.grads(u); }, tokens.data(),
-                                      targets.data(), B, T, engine.loss_scale());
-      } catch (const GatherFailed& f) {
-        (void)scopes.close_all();
-        return f.status;
-      }
-      ZINF_RETURN_IF_ERROR(scopes.close_all());
+      ZINF_ASSIGN_OR_RETURN(const double loss,
+                            micro_step(tokens.data(), targets.data(), engine.loss_scale()));
       loss_sum += loss;
     }
     // The mean loss; with a stop flag, also whether any rank saw it (every rank then stops after

@@ -260,34 +260,50 @@ Result<TensorView> UnitScope::grads() {
 }
 
 Status UnitScope::params_to_host(std::span<float> out) const {
+  return params_to_f32(out.data(), out.size(), "params_to_host");
+}
+
+Status UnitScope::params_to_device(DeviceSpan<float> out) const {
+  return params_to_f32(out.data, out.size, "params_to_device");
+}
+
+Status UnitScope::grads_from_host(std::span<const float> in) {
+  return grads_from_f32(in.data(), in.size(), "grads_from_host");
+}
+
+Status UnitScope::grads_from_device(DeviceSpan<const float> in) {
+  return grads_from_f32(in.data, in.size, "grads_from_device");
+}
+
+Status UnitScope::params_to_f32(void* out, uint64_t size, const char* caller) const {
   if (engine_ == nullptr) {
-    return make_error(ErrorCode::kInvalidArgument, "params_to_host() of a scope that has ended");
+    return make_error(ErrorCode::kInvalidArgument, "{}() of a scope that has ended", caller);
   }
   const auto& l = layout();
-  if (out.size() < l.numel) {
+  if (size < l.numel) {
     return make_error(ErrorCode::kInvalidArgument,
-                      "params_to_host: unit {} has {} parameters, the buffer holds {}",
-                      engine_->unit_spec(unit_).name, l.numel, out.size());
+                      "{}: unit {} has {} parameters, the buffer holds {}", caller,
+                      engine_->unit_spec(unit_).name, l.numel, size);
   }
   Stream& stream = engine_->stream();
-  engine_->device().cast({.data = out.data(), .dtype = DType::kF32, .numel = l.numel},
+  engine_->device().cast({.data = out, .dtype = DType::kF32, .numel = l.numel},
                          {params_, engine_->settings_.dtype, l.numel}, stream);
   return engine_detail::sync(stream).with_context("reading the parameters of unit " +
                                                   engine_->unit_spec(unit_).name);
 }
 
-Status UnitScope::grads_from_host(std::span<const float> in) {
+Status UnitScope::grads_from_f32(const void* in, uint64_t size, const char* caller) {
   ZINF_ASSIGN_OR_RETURN(TensorView g, grads());
   const auto& l = layout();
-  if (in.size() != l.numel) {
+  if (size != l.numel) {
     return make_error(ErrorCode::kInvalidArgument,
-                      "grads_from_host: unit {} has {} parameters, got {} gradients",
-                      engine_->unit_spec(unit_).name, l.numel, in.size());
+                      "{}: unit {} has {} parameters, got {} gradients", caller,
+                      engine_->unit_spec(unit_).name, l.numel, size);
   }
   Stream& stream = engine_->stream();
   TensorRef dst = g.ref();
   dst.numel = l.numel;  // the padding stays zero
-  engine_->device().cast(dst, {in.data(), DType::kF32, l.numel}, stream);
+  engine_->device().cast(dst, {in, DType::kF32, l.numel}, stream);
   return engine_detail::sync(stream).with_context("writing the gradients of unit " +
                                                   engine_->unit_spec(unit_).name);
 }

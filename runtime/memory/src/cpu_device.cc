@@ -419,7 +419,9 @@ std::optional<DeviceKind> parse_device_kind(std::string_view name) {
 Result<DeviceKind> resolve_device_kind(DeviceKind kind) {
   if (kind != DeviceKind::kAuto) return kind;
   const char* env = std::getenv("ZINF_DEVICE");
-  if (env == nullptr || *env == '\0') return DeviceKind::kCpu;
+  if (env == nullptr || *env == '\0') {
+    return cuda_device_visible() ? DeviceKind::kCuda : DeviceKind::kCpu;
+  }
   auto parsed = parse_device_kind(env);
   if (!parsed || *parsed == DeviceKind::kAuto) {
     return make_error(ErrorCode::kInvalidArgument,
@@ -429,6 +431,8 @@ Result<DeviceKind> resolve_device_kind(DeviceKind kind) {
 }
 
 #ifndef ZINF_HAVE_CUDA
+bool cuda_device_visible() { return false; }
+
 Result<std::unique_ptr<Device>> make_cuda_device(const DeviceOptions&) {
   return make_error(ErrorCode::kUnavailable,
                     "device cuda: this build of zinf has no CUDA (configure with nvcc on the path "

@@ -277,6 +277,11 @@ class CudaDevice final : public Device {
 
 }  // namespace
 
+bool cuda_device_visible() {
+  static const bool visible = kernels::cuda::device_count() > 0;  // asked once per process
+  return visible;
+}
+
 Result<std::unique_ptr<Device>> make_cuda_device(const DeviceOptions& options) {
   if (kernels::cuda::device_count() == 0) {
     return make_error(

@@ -454,7 +454,9 @@ inline constexpr Tunable<std::string_view> kDevice{
     .name = "device",
     .value = "auto",
     .flag = "--device",
-    .doc = "the top tier's device: auto ($ZINF_DEVICE, else cpu), cpu, cpu-strict, cuda",
+    .doc =
+        "the top tier's device: auto ($ZINF_DEVICE, else cuda where a GPU is visible, else cpu), "
+        "cpu, cpu-strict, cuda",
 };
 inline constexpr Tunable<int> kOptimizerThreads{
     .name = "optimizer_threads",

@@ -219,11 +219,18 @@ class UnitScope {
   // The unit's gradients from the host: `in` (layout().numel fp32 values) converted to the
   // working dtype into grads(), replacing what it held (16-bit gradients for bf16/fp16).
   Status grads_from_host(std::span<const float> in);
+  // The same for a model that computes on the device itself (the GPT's GpuModel on CUDA): `out`
+  // and `in` are fp32 buffers in memory the device's kernels reach (its own, or the model's
+  // device allocations), at least layout().numel long.
+  Status params_to_device(DeviceSpan<float> out) const;
+  Status grads_from_device(DeviceSpan<const float> in);
 
   // Ends the scope now and reports what failed (the destructor can only record it).
   Status finish();
 
  private:
+  Status params_to_f32(void* out, uint64_t size, const char* caller) const;
+  Status grads_from_f32(const void* in, uint64_t size, const char* caller);
   friend class Engine;
   Engine* engine_ = nullptr;
   size_t unit_ = 0;

@@ -210,7 +210,8 @@ inline constexpr DType element_dtype = ElementDType<std::remove_const_t<T>>::val
 
 // Which device the engine computes on.
 enum class DeviceKind : uint8_t {
-  kAuto,       // $ZINF_DEVICE when set (cpu, cpu-strict, cuda), else cpu
+  kAuto,       // $ZINF_DEVICE when set (cpu, cpu-strict, cuda), else cuda where a GPU is
+               // visible to a build with CUDA, else cpu
   kCpu,        // CpuDevice
   kCpuStrict,  // CpuDevice with strict = true: every host access to device memory faults
   kCuda,       // CudaDevice on GPU 0 (a build with CUDA and a visible GPU; else an error)
@@ -219,6 +220,8 @@ std::string_view device_kind_name(DeviceKind kind);
 std::optional<DeviceKind> parse_device_kind(std::string_view name);
 // kAuto resolved from the environment; an unknown $ZINF_DEVICE is an error naming it.
 Result<DeviceKind> resolve_device_kind(DeviceKind kind);
+// Whether this build has CUDA and a GPU is visible (no driver, no device: false).
+bool cuda_device_visible();
 
 struct CpuDeviceOptions {
   uint64_t budget_bytes = 1ull << 30;
