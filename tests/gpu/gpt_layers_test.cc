@@ -35,7 +35,7 @@ class GptLayersOnGpu : public ::testing::Test {
  protected:
   void SetUp() override {
     std::string error;
-    gpu_ = cuda::Gpu::create(&error);
+    gpu_ = cuda::Gpu::create(0, &error);
     ASSERT_NE(gpu_, nullptr) << error;
   }
   void TearDown() override {

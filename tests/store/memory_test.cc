@@ -2,8 +2,10 @@
 
 #include <atomic>
 #include <cstring>
+#include <map>
 #include <thread>
 
+#include "forwarding_device.h"
 #include "zinf/memory/device.h"
 #include "zinf/memory/pinned_pool.h"
 
@@ -98,6 +100,66 @@ TEST(PinnedPool, ReusesBuffersAndHonoursBudget) {
   auto e = pool.allocate(500 << 10, MemoryCategory::kGradients);
   EXPECT_TRUE(e.is_ok()) << e.status().to_string();
   EXPECT_LE(ledger.usage(Tier::kHost).peak, 1u << 20);
+}
+
+// Records the host memory registered with it (as CUDA pins it); refuses registration on demand.
+class RegisteringDevice final : public test::ForwardingDevice {
+ public:
+  RegisteringDevice() : ForwardingDevice(make_cpu_device({})) {}
+  Status register_host(void* data, uint64_t bytes) override {
+    if (refuse) return Status(ErrorCode::kIo, "out of pinnable memory");
+    registered[data] = bytes;
+    ++registrations;
+    return Status::ok();
+  }
+  void unregister_host(void* data) override {
+    EXPECT_EQ(registered.erase(data), 1u) << "unregistered memory that was not registered";
+  }
+  std::map<void*, uint64_t> registered;
+  int registrations = 0;
+  bool refuse = false;
+};
+
+TEST(PinnedPool, RegistersEachBufferWithTheDeviceWhileItIsMapped) {
+  RegisteringDevice device;
+  Ledger ledger;
+  {
+    PinnedPool pool({.budget_bytes = 1 << 20, .ledger = &ledger, .device = &device});
+    void* first = nullptr;
+    {
+      auto a = pool.allocate(300 << 10, MemoryCategory::kOptimizerStates);
+      ASSERT_TRUE(a.is_ok());
+      first = a->data();
+      ASSERT_EQ(device.registered.count(first), 1u);
+      EXPECT_EQ(device.registered[first], 300u << 10);
+    }
+    // Reused from the cache: registered once, not again.
+    auto b = pool.allocate(300 << 10, MemoryCategory::kGradients);
+    ASSERT_TRUE(b.is_ok());
+    EXPECT_EQ(b->data(), first);
+    EXPECT_EQ(device.registrations, 1);
+    b->reset();
+    pool.trim();  // back to the system: unregistered first
+    EXPECT_TRUE(device.registered.empty());
+
+    // A refused registration is an error naming the device; nothing is left accounted.
+    device.refuse = true;
+    auto c = pool.allocate(200 << 10, MemoryCategory::kGradients);
+    ASSERT_FALSE(c.is_ok());
+    EXPECT_EQ(c.status().code(), ErrorCode::kOutOfMemory);
+    EXPECT_NE(c.status().message().find("registering 200.00 KiB of host memory with device cpu"),
+              std::string::npos)
+        << c.status().message();
+    EXPECT_NE(c.status().message().find("out of pinnable memory"), std::string::npos);
+    EXPECT_EQ(pool.stats().bytes_in_use, 0u);
+    EXPECT_EQ(ledger.usage(Tier::kHost).current, 0u);
+    device.refuse = false;
+    auto d = pool.allocate(100 << 10, MemoryCategory::kGradients);
+    ASSERT_TRUE(d.is_ok());
+    EXPECT_EQ(device.registered.size(), 1u);
+  }
+  // The pool's destruction unregisters what it cached.
+  EXPECT_TRUE(device.registered.empty());
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include <random>
 #include <thread>
 
+#include "forwarding_device.h"
 #include "test_dir.h"
 #include "zinf/io/fault.h"
 
@@ -40,9 +41,9 @@ int64_t check(const void* p, uint64_t bytes, uint64_t seed) {
 // A device that forwards to another and can hold back the first copy out of a chosen range of
 // bytes (on the thread that issues it, before anything is enqueued), so that a test can act
 // while the store is in the middle of copying out of a tensor.
-class HoldingDevice final : public Device {
+class HoldingDevice final : public test::ForwardingDevice {
  public:
-  explicit HoldingDevice(std::unique_ptr<Device> inner) : inner_(std::move(inner)) {}
+  using ForwardingDevice::ForwardingDevice;
 
   // The next copy whose source overlaps [data, data + bytes) waits for open().
   void hold_copy_from(const void* data, uint64_t bytes) {
@@ -75,47 +76,7 @@ class HoldingDevice final : public Device {
     inner_->copy_async(dst, src, bytes, stream);
   }
 
-  std::string name() const override { return inner_->name(); }
-  Result<DeviceBuffer> allocate(uint64_t bytes, MemoryCategory category) override {
-    return inner_->allocate(bytes, category);  // the buffer frees itself through inner_
-  }
-  std::unique_ptr<Stream> create_stream(std::string name) override {
-    return inner_->create_stream(std::move(name));
-  }
-  void fill(TensorRef dst, float value, Stream& stream) override {
-    inner_->fill(dst, value, stream);
-  }
-  void accumulate(TensorRef acc, ConstTensorRef src, bool overwrite, Stream& stream) override {
-    inner_->accumulate(acc, src, overwrite, stream);
-  }
-  void cast(TensorRef dst, ConstTensorRef src, Stream& stream) override {
-    inner_->cast(dst, src, stream);
-  }
-  void scale(TensorRef x, float factor, bool* found_nonfinite, Stream& stream) override {
-    inner_->scale(x, factor, found_nonfinite, stream);
-  }
-  void sum_squares_blocks(ConstTensorRef x, float factor, double* block_sums,
-                          Stream& stream) override {
-    inner_->sum_squares_blocks(x, factor, block_sums, stream);
-  }
-  void adam(const kernels::AdamConfig& config, const kernels::AdamStepArgs& args,
-            const kernels::AdamTensors& tensors, Stream& stream) override {
-    inner_->adam(config, args, tensors, stream);
-  }
-  CommWindow comm_window(const void* data, uint64_t bytes) override {
-    return inner_->comm_window(data, bytes);
-  }
-  uint64_t budget_bytes() const override { return inner_->budget_bytes(); }
-  uint64_t bytes_in_use() const override { return inner_->bytes_in_use(); }
-  Ledger* ledger() const override { return inner_->ledger(); }
-
- protected:
-  void release(void*, uint64_t, MemoryCategory) override {
-    ZINF_CHECK(false, "HoldingDevice hands out its inner device's buffers only");
-  }
-
  private:
-  std::unique_ptr<Device> inner_;
   std::mutex mu_;
   std::condition_variable cv_;
   const char* hold_begin_ = nullptr;

@@ -16,6 +16,7 @@
 namespace zinf::gpt::cuda {
 
 struct Gpu::Impl {
+  int ordinal = 0;
   cudaStream_t stream = nullptr;
   cublasHandle_t blas = nullptr;
   std::string error;
@@ -308,13 +309,20 @@ int device_count() {
   return count;
 }
 
-std::unique_ptr<Gpu> Gpu::create(std::string* error) {
-  if (device_count() == 0) {
+std::unique_ptr<Gpu> Gpu::create(int ordinal, std::string* error) {
+  const int gpus = device_count();
+  if (gpus == 0) {
     *error = "no CUDA device is visible (no GPU, or no driver)";
     return nullptr;
   }
+  if (ordinal < 0 || ordinal >= gpus) {
+    *error = "GPU " + std::to_string(ordinal) + " asked for; " + std::to_string(gpus) + " visible";
+    return nullptr;
+  }
   auto impl = std::make_unique<Impl>();
-  cudaError_t err = cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking);
+  impl->ordinal = ordinal;
+  cudaError_t err = cudaSetDevice(ordinal);
+  if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking);
   if (err != cudaSuccess) {
     *error = std::string("cudaStreamCreate: ") + cudaGetErrorString(err);
     return nullptr;
@@ -335,7 +343,16 @@ std::unique_ptr<Gpu> Gpu::create(std::string* error) {
 
 Gpu::Gpu(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
+Gpu::Impl& Gpu::impl() {
+  int current = -1;
+  if (cudaGetDevice(&current) != cudaSuccess || current != impl_->ordinal) {
+    impl_->ok(cudaSetDevice(impl_->ordinal), "cudaSetDevice");
+  }
+  return *impl_;
+}
+
 Gpu::~Gpu() {
+  (void)impl();
   if (impl_->att_scratch != nullptr) cudaFreeAsync(impl_->att_scratch, impl_->stream);
   if (impl_->row_loss != nullptr) cudaFreeAsync(impl_->row_loss, impl_->stream);
   cudaStreamSynchronize(impl_->stream);
@@ -346,6 +363,7 @@ Gpu::~Gpu() {
 void* Gpu::stream() const { return impl_->stream; }
 
 std::string Gpu::error() {
+  (void)impl();
   impl_->launched("an earlier kernel");
   std::string e = std::move(impl_->error);
   impl_->error.clear();
@@ -353,11 +371,13 @@ std::string Gpu::error() {
 }
 
 std::string Gpu::synchronize() {
+  (void)impl();
   impl_->ok(cudaStreamSynchronize(impl_->stream), "cudaStreamSynchronize");
   return error();
 }
 
 void* Gpu::alloc(size_t bytes) {
+  (void)impl();
   void* p = nullptr;
   if (impl_->failed()) return nullptr;
   if (!impl_->ok(cudaMallocAsync(&p, bytes, impl_->stream), "cudaMallocAsync")) return nullptr;
@@ -365,22 +385,26 @@ void* Gpu::alloc(size_t bytes) {
 }
 
 void Gpu::free(void* p) {
+  (void)impl();
   if (p != nullptr) cudaFreeAsync(p, impl_->stream);
 }
 
 void Gpu::to_device(void* dst, const void* host, size_t bytes) {
+  (void)impl();
   if (impl_->failed() || bytes == 0) return;
   impl_->ok(cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, impl_->stream),
             "copy to the device");
 }
 
 void Gpu::to_host(void* host, const void* src, size_t bytes) {
+  (void)impl();
   if (impl_->failed() || bytes == 0) return;
   impl_->ok(cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, impl_->stream),
             "copy to the host");
 }
 
 void Gpu::zero(void* dst, size_t bytes) {
+  (void)impl();
   if (impl_->failed() || bytes == 0) return;
   impl_->ok(cudaMemsetAsync(dst, 0, bytes, impl_->stream), "cudaMemsetAsync");
 }

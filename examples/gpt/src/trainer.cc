@@ -442,8 +442,14 @@ Result<int64_t> resume_from(Engine& engine, const TrainOptions& o, Shared& share
 
 Status run_rank(comm::Communicator& comm, const TrainOptions& o, const TextDataset& data,
                 Shared& shared, const StepCallback& on_step, const StartCallback& on_start) {
+  // One GPU per rank: the launcher's local rank (processes) or the rank (threads of one
+  // process), modulo the visible GPUs.
+  EngineSettings settings = o.engine;
+  if (settings.device_ordinal < 0 && cuda_device_count() > 0) {
+    settings.device_ordinal = (o.launch ? o.launch->local_rank : comm.rank()) % cuda_device_count();
+  }
   ZINF_ASSIGN_OR_RETURN(auto engine,
-                        Engine::create(o.engine, comm, engine_units(o.model), shared.init));
+                        Engine::create(settings, comm, engine_units(o.model), shared.init));
   if (comm.rank() == 0 && on_start) on_start(engine->settings(), engine->budgets());
   ZINF_ASSIGN_OR_RETURN(optim::LrSchedule schedule,
                         optim::LrSchedule::create(o.lr_schedule, o.engine.adam.lr));
@@ -474,7 +480,7 @@ Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o
   ZINF_ASSIGN_OR_RETURN(const DeviceKind device, resolve_device_kind(o.engine.device));
   if (device == DeviceKind::kCuda) {
     std::string error;
-    gpu = cuda::Gpu::create(&error);
+    gpu = cuda::Gpu::create(cuda_ordinal(engine.settings().device_ordinal), &error);
     if (gpu == nullptr) {
       return make_error(ErrorCode::kUnavailable, "the GPT on the GPU: {}", error);
     }

@@ -98,7 +98,8 @@ class Builder {
     ZINF_ASSIGN_OR_RETURN(const DeviceKind kind, resolve_device_kind(s.device));
     ZINF_ASSIGN_OR_RETURN(e.device, make_device(kind, {.budget_bytes = s.device_mem,
                                                        .ledger = &e.ledger,
-                                                       .threads = s.optimizer_threads}));
+                                                       .threads = s.optimizer_threads,
+                                                       .ordinal = s.device_ordinal}));
     e.stream = e.device->create_stream(e.track("engine"));
     e.optimizer_stream = e.device->create_stream(e.track("optimizer"));
     if (nvme) {
@@ -113,7 +114,8 @@ class Builder {
     e.pool = std::make_unique<PinnedPool>(PinnedPoolOptions{.budget_bytes = s.host_mem,
                                                             .pin = s.pin_memory,
                                                             .engine = e.io.get(),
-                                                            .ledger = &e.ledger});
+                                                            .ledger = &e.ledger,
+                                                            .device = e.device.get()});
     ZINF_ASSIGN_OR_RETURN(e.store, TieredTensorStore::create({.device = e.device.get(),
                                                               .host = e.pool.get(),
                                                               .swap = e.swap.get(),

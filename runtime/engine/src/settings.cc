@@ -145,6 +145,7 @@ nlohmann::json settings_json(const EngineSettings& s) {
   j["max_nonfinite_steps"] = s.max_nonfinite_steps;
   j["seed"] = s.seed;
   j["device"] = device_kind_name(s.device);
+  j["device_ordinal"] = s.device_ordinal;
   j["optimizer_threads"] = s.optimizer_threads;
   return j;
 }

@@ -430,8 +430,20 @@ Result<DeviceKind> resolve_device_kind(DeviceKind kind) {
   return *parsed;
 }
 
+int cuda_ordinal(int requested) {
+  if (requested >= 0) return requested;
+  const int gpus = cuda_device_count();
+  const char* local = std::getenv("LOCAL_RANK");
+  if (gpus <= 0 || local == nullptr) return 0;
+  char* end = nullptr;
+  const long r = std::strtol(local, &end, 10);
+  if (end == local || *end != '\0' || r < 0) return 0;
+  return static_cast<int>(r % gpus);
+}
+
 #ifndef ZINF_HAVE_CUDA
 bool cuda_device_visible() { return false; }
+int cuda_device_count() { return 0; }
 
 Result<std::unique_ptr<Device>> make_cuda_device(const DeviceOptions&) {
   return make_error(ErrorCode::kUnavailable,

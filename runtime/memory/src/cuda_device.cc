@@ -31,9 +31,18 @@ Status cuda_status(const char* what, cudaError_t err) {
   return make_error(ErrorCode::kIo, "{}: {}", what, cudaGetErrorString(err));
 }
 
+// The CUDA runtime's current device is per host thread, and the engine's threads (ranks, movers,
+// the runtime's host-function thread) share one device object: every entry point that calls CUDA
+// makes the device's GPU current first (a no-op when it already is).
+void bind(int ordinal) {
+  int current = -1;
+  if (cudaGetDevice(&current) != cudaSuccess || current != ordinal) (void)cudaSetDevice(ordinal);
+}
+
 class CudaStream final : public Stream {
  public:
-  explicit CudaStream(std::string name) : name_(std::move(name)) {
+  CudaStream(std::string name, int ordinal) : name_(std::move(name)), ordinal_(ordinal) {
+    bind(ordinal_);
     if (cudaError_t err = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
         err != cudaSuccess) {
       fail(cuda_status("cudaStreamCreate", err));
@@ -42,6 +51,7 @@ class CudaStream final : public Stream {
   }
   ~CudaStream() override {
     if (stream_ == nullptr) return;
+    bind(ordinal_);
     (void)cudaStreamSynchronize(stream_);
     if (scratch_ != nullptr) (void)cudaFree(scratch_);
     (void)cudaStreamDestroy(stream_);
@@ -51,6 +61,7 @@ class CudaStream final : public Stream {
   cudaStream_t handle() const { return stream_; }
 
   void enqueue(std::function<Status()> work) override {
+    bind(ordinal_);
     auto* item = new Item{this, std::move(work)};
     if (cudaError_t err = cudaLaunchHostFunc(stream_, &run_item, item); err != cudaSuccess) {
       delete item;
@@ -59,6 +70,7 @@ class CudaStream final : public Stream {
   }
 
   Event record() override {
+    bind(ordinal_);
     auto state = std::make_shared<Event::State>();
     cudaEvent_t ev = nullptr;
     if (cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) == cudaSuccess) {
@@ -77,6 +89,7 @@ class CudaStream final : public Stream {
   }
 
   void wait_for(const Event& event) override {
+    bind(ordinal_);
     if (const auto& native = event.state()->native) {
       const cudaError_t err = cudaStreamWaitEvent(stream_, static_cast<cudaEvent_t>(native.get()));
       if (err != cudaSuccess) fail(cuda_status("cudaStreamWaitEvent", err));
@@ -86,6 +99,7 @@ class CudaStream final : public Stream {
   }
 
   Status synchronize() override {
+    bind(ordinal_);
     const cudaError_t err = cudaStreamSynchronize(stream_);
     std::lock_guard lock(mu_);
     Status s = std::exchange(sticky_, Status::ok());
@@ -106,6 +120,7 @@ class CudaStream final : public Stream {
   // (the host function copying a result out runs before the next kernel writes it).
   void* scratch(uint64_t bytes) {
     if (bytes > scratch_bytes_) {
+      bind(ordinal_);
       (void)cudaStreamSynchronize(stream_);  // nothing in flight still uses the old area
       if (scratch_ != nullptr) (void)cudaFree(scratch_);
       scratch_ = nullptr;
@@ -126,6 +141,7 @@ class CudaStream final : public Stream {
   };
   static void CUDART_CB run_item(void* p) {
     std::unique_ptr<Item> item(static_cast<Item*>(p));
+    bind(item->stream->ordinal_);
     Status s = item->work();
     if (!s.is_ok()) item->stream->fail(std::move(s));
   }
@@ -135,6 +151,7 @@ class CudaStream final : public Stream {
   }
 
   std::string name_;
+  int ordinal_ = 0;
   cudaStream_t stream_ = nullptr;
   mutable std::mutex mu_;
   Status sticky_;
@@ -146,9 +163,9 @@ CudaStream& as_cuda(Stream& s) { return static_cast<CudaStream&>(s); }
 
 class CudaDevice final : public Device {
  public:
-  explicit CudaDevice(const DeviceOptions& options) : options_(options) {}
+  CudaDevice(const DeviceOptions& options, int ordinal) : options_(options), ordinal_(ordinal) {}
 
-  std::string name() const override { return "cuda:0"; }
+  std::string name() const override { return "cuda:" + std::to_string(ordinal_); }
 
   Result<DeviceBuffer> allocate(uint64_t bytes, MemoryCategory category) override {
     if (bytes == 0) return DeviceBuffer();
@@ -161,6 +178,7 @@ class CudaDevice final : public Device {
       in_use_ += padded;
     }
     void* p = nullptr;
+    bind(ordinal_);
     if (cudaError_t err = cudaMallocManaged(&p, padded); err != cudaSuccess) {
       std::lock_guard lock(mu_);
       in_use_ -= padded;
@@ -173,11 +191,11 @@ class CudaDevice final : public Device {
   }
 
   std::unique_ptr<Stream> create_stream(std::string name) override {
-    return std::make_unique<CudaStream>(std::move(name));
+    return std::make_unique<CudaStream>(std::move(name), ordinal_);
   }
 
   void copy_async(void* dst, const void* src, uint64_t bytes, Stream& stream) override {
-    CudaStream& s = as_cuda(stream);
+    CudaStream& s = on(stream);
     if (bytes == 0) return;
     if (cudaError_t err = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s.handle());
         err != cudaSuccess) {
@@ -186,12 +204,12 @@ class CudaDevice final : public Device {
   }
 
   void fill(TensorRef dst, float value, Stream& stream) override {
-    CudaStream& s = as_cuda(stream);
+    CudaStream& s = on(stream);
     s.fail_if(kernels::cuda::fill(s.handle(), dst.data, dst.dtype, dst.numel, value));
   }
 
   void accumulate(TensorRef acc, ConstTensorRef src, bool overwrite, Stream& stream) override {
-    CudaStream& s = as_cuda(stream);
+    CudaStream& s = on(stream);
     if (acc.dtype != DType::kF32 || acc.numel != src.numel) {
       s.fail(make_error(ErrorCode::kInvalidArgument,
                         "accumulate: the accumulator must be fp32 and as long as the source"));
@@ -202,7 +220,7 @@ class CudaDevice final : public Device {
   }
 
   void cast(TensorRef dst, ConstTensorRef src, Stream& stream) override {
-    CudaStream& s = as_cuda(stream);
+    CudaStream& s = on(stream);
     if (dst.numel != src.numel) {
       s.fail(make_error(ErrorCode::kInvalidArgument, "cast: {} elements into {}", src.numel,
                         dst.numel));
@@ -212,7 +230,7 @@ class CudaDevice final : public Device {
   }
 
   void scale(TensorRef x, float factor, bool* found_nonfinite, Stream& stream) override {
-    CudaStream& s = as_cuda(stream);
+    CudaStream& s = on(stream);
     int* flag = nullptr;
     if (found_nonfinite != nullptr) {
       flag = static_cast<int*>(s.scratch(sizeof(int)));
@@ -230,7 +248,7 @@ class CudaDevice final : public Device {
 
   void sum_squares_blocks(ConstTensorRef x, float factor, double* block_sums,
                           Stream& stream) override {
-    CudaStream& s = as_cuda(stream);
+    CudaStream& s = on(stream);
     const uint64_t blocks = kernels::sum_squares_block_count(x.numel);
     if (blocks == 0) return;
     auto* sums = static_cast<double*>(s.scratch(blocks * sizeof(double)));
@@ -245,7 +263,7 @@ class CudaDevice final : public Device {
 
   void adam(const kernels::AdamConfig& config, const kernels::AdamStepArgs& args,
             const kernels::AdamTensors& t, Stream& stream) override {
-    CudaStream& s = as_cuda(stream);
+    CudaStream& s = on(stream);
     s.fail_if(kernels::cuda::adam(s.handle(), kernels::adam_coeffs(config, args), t.param, t.m, t.v,
                                   t.grad, t.grad_dtype, t.param_copy, t.copy_dtype, t.n, nullptr));
   }
@@ -253,6 +271,21 @@ class CudaDevice final : public Device {
   // Managed memory: a host-side communicator reads and writes it in place (the engine has
   // ordered the window after the operations that produce the data).
   CommWindow comm_window(const void*, uint64_t) override { return CommWindow(); }
+
+  // Pinned and mapped: the kernels of the operations read and write host-tier buffers in place
+  // (through unified addressing), and copies to and from them run at full speed.
+  Status register_host(void* data, uint64_t bytes) override {
+    bind(ordinal_);
+    if (cudaError_t err = cudaHostRegister(data, bytes, cudaHostRegisterMapped);
+        err != cudaSuccess) {
+      return cuda_status("cudaHostRegister", err);
+    }
+    return Status::ok();
+  }
+  void unregister_host(void* data) override {
+    bind(ordinal_);
+    (void)cudaHostUnregister(data);
+  }
 
   uint64_t budget_bytes() const override { return options_.budget_bytes; }
   uint64_t bytes_in_use() const override {
@@ -263,6 +296,7 @@ class CudaDevice final : public Device {
 
  protected:
   void release(void* data, uint64_t bytes, MemoryCategory category) override {
+    bind(ordinal_);
     (void)cudaFree(data);  // (waits for the device: freed memory may still be in use by a kernel)
     if (options_.ledger) options_.ledger->sub(Tier::kDevice, category, bytes);
     std::lock_guard lock(mu_);
@@ -270,36 +304,51 @@ class CudaDevice final : public Device {
   }
 
  private:
+  // The stream of an operation, with this device's GPU made current for the launch.
+  CudaStream& on(Stream& stream) const {
+    bind(ordinal_);
+    return as_cuda(stream);
+  }
+
   DeviceOptions options_;
+  int ordinal_ = 0;
   mutable std::mutex mu_;
   uint64_t in_use_ = 0;
 };
 
 }  // namespace
 
-bool cuda_device_visible() {
-  static const bool visible = kernels::cuda::device_count() > 0;  // asked once per process
-  return visible;
+int cuda_device_count() {
+  static const int count = kernels::cuda::device_count();  // asked once per process
+  return count;
 }
 
+bool cuda_device_visible() { return cuda_device_count() > 0; }
+
 Result<std::unique_ptr<Device>> make_cuda_device(const DeviceOptions& options) {
-  if (kernels::cuda::device_count() == 0) {
+  const int gpus = cuda_device_count();
+  if (gpus == 0) {
     return make_error(
         ErrorCode::kUnavailable,
         "device cuda: no CUDA device is visible (no GPU, or no driver); run on the CPU "
         "device instead (ZINF_DEVICE=cpu)");
   }
-  if (cudaError_t err = cudaSetDevice(0); err != cudaSuccess) {
-    return cuda_status("device cuda: cudaSetDevice(0)", err);
+  const int ordinal = cuda_ordinal(options.ordinal);
+  if (ordinal >= gpus) {
+    return make_error(ErrorCode::kInvalidArgument, "device cuda:{}: only {} GPU{} visible", ordinal,
+                      gpus, gpus == 1 ? " is" : "s are");
+  }
+  if (cudaError_t err = cudaSetDevice(ordinal); err != cudaSuccess) {
+    return cuda_status("device cuda: cudaSetDevice", err);
   }
   int concurrent = 0;
-  (void)cudaDeviceGetAttribute(&concurrent, cudaDevAttrConcurrentManagedAccess, 0);
+  (void)cudaDeviceGetAttribute(&concurrent, cudaDevAttrConcurrentManagedAccess, ordinal);
   if (!concurrent) {
     log::warn_once("cuda:managed",
                    "device cuda: this GPU has no concurrent managed access; host-side "
                    "communicators touching device memory will serialise with the GPU");
   }
-  return std::unique_ptr<Device>(std::make_unique<CudaDevice>(options));
+  return std::unique_ptr<Device>(std::make_unique<CudaDevice>(options, ordinal));
 }
 
 }  // namespace zinf

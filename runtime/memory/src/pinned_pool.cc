@@ -8,6 +8,7 @@
 
 #include "zinf/core/log.h"
 #include "zinf/core/units.h"
+#include "zinf/memory/device.h"
 
 namespace zinf {
 
@@ -46,6 +47,7 @@ PinnedPool::~PinnedPool() {
 void PinnedPool::destroy(const Block& b) {
   if (b.io_slot >= 0 && options_.engine) (void)options_.engine->unregister_buffer(b.io_slot);
   if (b.io_slot >= 0) --stats_.registered;
+  if (b.device_registered) options_.device->unregister_host(b.data);
   if (b.locked) ::munlock(b.data, b.bytes);
   ::munmap(b.data, b.bytes);
 }
@@ -94,7 +96,16 @@ Result<PinnedBuffer> PinnedPool::allocate(uint64_t bytes, MemoryCategory categor
     return make_error(ErrorCode::kOutOfMemory, "the system refused {} of host memory",
                       format_bytes(static_cast<double>(padded)));
   }
-  Block b{data, padded, false, -1};
+  Block b{data, padded, false, -1, false};
+  if (options_.device != nullptr) {
+    if (Status s = options_.device->register_host(data, padded); !s.is_ok()) {
+      ::munmap(data, padded);
+      return make_error(ErrorCode::kOutOfMemory, "registering {} of host memory with device {}: {}",
+                        format_bytes(static_cast<double>(padded)), options_.device->name(),
+                        s.message());
+    }
+    b.device_registered = true;
+  }
   if (options_.pin && stats_.pinned) {
     if (::mlock(data, padded) == 0) {
       b.locked = true;

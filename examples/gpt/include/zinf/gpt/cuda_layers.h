@@ -28,11 +28,12 @@ namespace zinf::gpt::cuda {
 // Usable CUDA devices; 0 without a GPU or a driver (never an error).
 int device_count();
 
-// A stream on the current CUDA device, a cuBLAS handle bound to it, and scratch for the layers.
+// A stream on one GPU, a cuBLAS handle bound to it, and scratch for the layers. Every call makes
+// the GPU current on the calling thread first.
 class Gpu {
  public:
-  // Null (with *error set) when no GPU is usable or a resource cannot be created.
-  static std::unique_ptr<Gpu> create(std::string* error);
+  // On GPU `ordinal`. Null (with *error set) when it is not usable or a resource cannot be made.
+  static std::unique_ptr<Gpu> create(int ordinal, std::string* error);
   ~Gpu();
   Gpu(const Gpu&) = delete;
   Gpu& operator=(const Gpu&) = delete;
@@ -55,7 +56,7 @@ class Gpu {
   void zero(void* dst, size_t bytes);
 
   struct Impl;
-  Impl& impl() { return *impl_; }
+  Impl& impl();  // with the GPU made current
 
  private:
   explicit Gpu(std::unique_ptr<Impl> impl);

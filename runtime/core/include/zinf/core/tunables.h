@@ -458,6 +458,13 @@ inline constexpr Tunable<std::string_view> kDevice{
         "the top tier's device: auto ($ZINF_DEVICE, else cuda where a GPU is visible, else cpu), "
         "cpu, cpu-strict, cuda",
 };
+inline constexpr Tunable<int> kDeviceOrdinal{
+    .name = "device_ordinal",
+    .value = -1,
+    .unit = Unit::kCount,
+    .doc = "CUDA: the GPU of this rank; -1 = the launcher's LOCAL_RANK (zinf train --ranks: the "
+           "rank) modulo the visible GPUs",
+};
 inline constexpr Tunable<int> kOptimizerThreads{
     .name = "optimizer_threads",
     .value = 0,
@@ -569,6 +576,7 @@ inline constexpr std::array kAll = {
     detail::entry(kChecksum),
     detail::entry(kSeed),
     detail::entry(kDevice),
+    detail::entry(kDeviceOrdinal),
     detail::entry(kOptimizerThreads),
     detail::entry(kIoFixedBuffers),
     detail::entry(kTrace),

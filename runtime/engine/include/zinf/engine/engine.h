@@ -149,9 +149,11 @@ struct EngineSettings {
   bool pipeline_read = tunables::kPipelineRead.value;
   bool pipeline_write = tunables::kPipelineWrite.value;
   int optimizer_threads = tunables::kOptimizerThreads.value;  // CPU Adam threads; 0 = all
-  // The device of the top tier: the CPU device, or its strict variant (tests); kAuto reads
-  // $ZINF_DEVICE (cpu, cpu-strict) and defaults to cpu.
+  // The device of the top tier: the CPU device, its strict variant (tests), or CUDA; kAuto reads
+  // $ZINF_DEVICE (cpu, cpu-strict, cuda) and defaults to cuda where a GPU is visible, else cpu.
   DeviceKind device = parse_device_kind(tunables::kDevice.value).value();
+  // CUDA: the GPU of this rank; -1 = $LOCAL_RANK modulo the visible GPUs (cuda_ordinal).
+  int device_ordinal = tunables::kDeviceOrdinal.value;
   uint64_t seed = tunables::kSeed.value;
 };
 

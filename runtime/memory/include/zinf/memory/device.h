@@ -172,6 +172,17 @@ class Device {
   };
   virtual CommWindow comm_window(const void* data, uint64_t bytes) = 0;
 
+  // Host memory the engine's host tier hands to this device's operations (PinnedPool buffers) is
+  // registered once when it is allocated and unregistered before it goes back to the system: CUDA
+  // pins it (cudaHostRegister), so its kernels and copies reach it in place. The CPU device needs
+  // nothing.
+  virtual Status register_host(void* data, uint64_t bytes) {
+    (void)data;
+    (void)bytes;
+    return Status::ok();
+  }
+  virtual void unregister_host(void* data) { (void)data; }
+
   virtual uint64_t budget_bytes() const = 0;
   virtual uint64_t bytes_in_use() const = 0;
   virtual Ledger* ledger() const = 0;
@@ -214,7 +225,7 @@ enum class DeviceKind : uint8_t {
                // visible to a build with CUDA, else cpu
   kCpu,        // CpuDevice
   kCpuStrict,  // CpuDevice with strict = true: every host access to device memory faults
-  kCuda,       // CudaDevice on GPU 0 (a build with CUDA and a visible GPU; else an error)
+  kCuda,       // CudaDevice on one GPU (a build with CUDA and a visible GPU; else an error)
 };
 std::string_view device_kind_name(DeviceKind kind);
 std::optional<DeviceKind> parse_device_kind(std::string_view name);
@@ -222,6 +233,8 @@ std::optional<DeviceKind> parse_device_kind(std::string_view name);
 Result<DeviceKind> resolve_device_kind(DeviceKind kind);
 // Whether this build has CUDA and a GPU is visible (no driver, no device: false).
 bool cuda_device_visible();
+// The GPUs visible to this build (0 without CUDA, a driver or a device).
+int cuda_device_count();
 
 struct CpuDeviceOptions {
   uint64_t budget_bytes = 1ull << 30;
@@ -239,10 +252,14 @@ std::unique_ptr<Device> make_cpu_device(const CpuDeviceOptions& options);
 struct DeviceOptions {
   uint64_t budget_bytes = 1ull << 30;
   Ledger* ledger = nullptr;
-  int threads = 0;  // CPU kinds: threads of the operations' kernels; 0 = all
+  int threads = 0;   // CPU kinds: threads of the operations' kernels; 0 = all
+  int ordinal = -1;  // CUDA: the GPU; -1 = cuda_ordinal(-1)
 };
 Result<std::unique_ptr<Device>> make_device(DeviceKind kind, const DeviceOptions& options);
-// The CUDA device (GPU 0): memory from cudaMallocManaged under the budget (host-side
+// The GPU a rank uses: `requested` when >= 0, else $LOCAL_RANK (torchrun, and set by the other
+// launchers' variables through comm/env) modulo the visible GPUs, else 0. One GPU per local rank.
+int cuda_ordinal(int requested);
+// The CUDA device (GPU options.ordinal): memory from cudaMallocManaged under the budget (host-side
 // communicators reach it through comm windows), streams and events on cudaStream_t, operations
 // as the kernels of zinf/kernels/cuda_ops.h. kUnavailable, naming why, in a build without CUDA
 // or where no GPU is visible.

@@ -24,6 +24,7 @@
 
 namespace zinf {
 
+class Device;
 class PinnedPool;
 
 class PinnedBuffer {
@@ -55,6 +56,9 @@ struct PinnedPoolOptions {
   bool pin = true;                 // mlock (falls back to pageable memory when refused)
   io::IoEngine* engine = nullptr;  // register buffers for fixed-buffer I/O
   Ledger* ledger = nullptr;        // Tier::kHost accounting; may be null
+  // The device whose operations use these buffers: each is registered with it (CUDA: pinned and
+  // mapped for its kernels) for as long as it is mapped; may be null.
+  Device* device = nullptr;
 };
 
 struct PinnedPoolStats {
@@ -88,6 +92,7 @@ class PinnedPool {
     uint64_t bytes;
     bool locked;
     int io_slot;  // -1: not registered
+    bool device_registered;
   };
   void give_back(void* data, uint64_t bytes, MemoryCategory category);
   void destroy(const Block& b);
