@@ -1,5 +1,7 @@
 // `zinf bench adam`: the CPU Adam step against its roofline, the memory bandwidth of the same
 // traffic measured in the same process, on the same arrays, with the same threads and chunks.
+// `--device cuda` (or cpu-strict) runs the step through a device backend instead, on state
+// resident in its memory, against the device's own copy of the same number of bytes.
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -14,6 +16,7 @@
 #include "zinf/core/dtype.h"
 #include "zinf/core/units.h"
 #include "zinf/kernels/cpu_adam.h"
+#include "zinf/memory/device.h"
 
 namespace zinf::cli {
 namespace {
@@ -27,6 +30,7 @@ struct Args {
   int64_t steps = 9;
   int64_t warmup = 2;
   std::string isa = "auto";
+  std::string device = "cpu";
   bool json = false;
 };
 
@@ -104,6 +108,102 @@ double seconds_of(Fn&& fn) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// The Adam step through the device contract (the path the engine takes for device-resident
+// optimizer state), against a device -> device copy moving the same bytes (read + written).
+void run_on_device(const Args& a, DeviceKind kind, size_t n, DType dtype) {
+  const bool mixed = dtype != DType::kF32;
+  const uint64_t state = n * 4, grad_bytes = n * dtype_size(dtype);
+  const uint64_t traffic = 3 * state + grad_bytes + 3 * state + (mixed ? grad_bytes : 0);
+  const uint64_t half = align_up(traffic / 2, 4096);  // the copy reads and writes `half` each
+  auto made =
+      make_device(kind, {.budget_bytes = 3 * state + 2 * grad_bytes + 2 * half + (16ull << 20)});
+  if (!made.is_ok()) throw CliError(made.status().detail(), 1);
+  Device& dev = **made;
+  auto stream = dev.create_stream("bench adam");
+  auto alloc = [&](uint64_t b) {
+    auto r = dev.allocate(std::max<uint64_t>(b, 1), MemoryCategory::kOptimizerStates);
+    if (!r.is_ok()) throw CliError(r.status().detail(), 1);
+    return std::move(r).value();
+  };
+  DeviceBuffer param = alloc(state), m = alloc(state), v = alloc(state), grad = alloc(grad_bytes);
+  DeviceBuffer copy = alloc(mixed ? grad_bytes : 0), x = alloc(half), y = alloc(half);
+  const float loss_scale = dtype == DType::kF16 ? kFp16LossScale : 1.0f;
+  dev.fill({param.data(), DType::kF32, n}, 0.1f, *stream);
+  dev.fill({m.data(), DType::kF32, n}, 0.0f, *stream);
+  dev.fill({v.data(), DType::kF32, n}, 0.0f, *stream);
+  dev.fill({grad.data(), dtype, n}, 1e-3f * loss_scale, *stream);
+  dev.fill({x.data(), DType::kF32, half / 4}, 1.0f, *stream);
+  auto sync = [&] {
+    if (Status st = stream->synchronize(); !st.is_ok()) throw CliError(st.detail(), 1);
+  };
+  sync();
+  const k::AdamConfig cfg{.lr = 1e-3f, .weight_decay = 0.01f};
+  int64_t step = 0;
+  auto adam = [&] {
+    dev.adam(cfg, {.step = ++step, .grad_scale = 1.0f / loss_scale},
+             {.param = static_cast<float*>(param.data()),
+              .m = static_cast<float*>(m.data()),
+              .v = static_cast<float*>(v.data()),
+              .grad = grad.data(),
+              .grad_dtype = dtype,
+              .param_copy = mixed ? copy.data() : nullptr,
+              .copy_dtype = dtype,
+              .n = n},
+             *stream);
+    sync();
+  };
+  auto yardstick = [&] {
+    dev.copy_async(y.data(), x.data(), half, *stream);
+    sync();
+  };
+  for (int64_t i = 0; i < a.warmup; ++i) {
+    adam();
+    yardstick();
+  }
+  std::vector<double> adam_s, copy_s;
+  for (int64_t i = 0; i < a.steps; ++i) {  // ABBA, as on the CPU
+    if (i % 2 == 0) {
+      adam_s.push_back(seconds_of(adam));
+      copy_s.push_back(seconds_of(yardstick));
+    } else {
+      copy_s.push_back(seconds_of(yardstick));
+      adam_s.push_back(seconds_of(adam));
+    }
+  }
+  const double bytes_per_step = static_cast<double>(traffic);
+  const double seconds_per_step = median(adam_s);
+  const double bytes_per_s = bytes_per_step / seconds_per_step;
+  const double copy_bytes_per_s = 2.0 * static_cast<double>(half) / median(copy_s);
+  const double ratio = bytes_per_s / copy_bytes_per_s;
+  const std::string dtype_name_s(dtype_name(dtype));
+  if (a.json) {
+    nlohmann::json j = {{"device", dev.name()},
+                        {"params", n},
+                        {"precision", dtype_name_s},
+                        {"steps", a.steps},
+                        {"warmup", a.warmup},
+                        {"bytes_per_param", bytes_per_step / static_cast<double>(n)},
+                        {"seconds_per_step", seconds_per_step},
+                        {"params_per_s", static_cast<double>(n) / seconds_per_step},
+                        {"bytes_per_s", bytes_per_s},
+                        {"device_copy_bytes_per_s", copy_bytes_per_s},
+                        {"roofline_ratio", ratio},
+                        {"adam_seconds_all", adam_s},
+                        {"copy_seconds_all", copy_s}};
+    std::printf("%s\n", j.dump().c_str());
+    return;
+  }
+  std::printf("zinf bench adam: %zu params (%s), %s, on %s; median of %lld steps\n", n,
+              format_bytes(bytes_per_step).c_str(), dtype_name_s.c_str(), dev.name().c_str(),
+              static_cast<long long>(a.steps));
+  std::printf("  %-12s %12s %14s %12s\n", "kernel", "ms/step", "params/s", "bandwidth");
+  std::printf("  %-12s %12.3f %13.1fM %12s\n", "adam", seconds_per_step * 1e3,
+              static_cast<double>(n) / seconds_per_step / 1e6, format_rate(bytes_per_s).c_str());
+  std::printf("  %-12s %12.3f %14s %12s\n", "device copy", median(copy_s) * 1e3, "",
+              format_rate(copy_bytes_per_s).c_str());
+  std::printf("  roofline_ratio %.3f (adam bandwidth / the device's copy bandwidth)\n", ratio);
+}
+
 void run(const Args& a) {
   const size_t n = bytes_flag("--params", a.params);
   if (n == 0) throw CliError("--params must be at least 1", 2);
@@ -121,6 +221,19 @@ void run(const Args& a) {
     throw CliError("--isa " + a.isa + ": this CPU has no such path (it has: " +
                        k::describe(k::cpu_features()) + ")",
                    2);
+  }
+  const auto device = parse_device_kind(a.device);
+  if (!device || *device == DeviceKind::kAuto) {
+    throw CliError("--device must be cpu, cpu-strict or cuda, not '" + a.device + "'", 2);
+  }
+  if (*device != DeviceKind::kCpu) {
+    if (a.isa != "auto" || a.threads != 0) {
+      throw CliError("--isa and --threads choose the CPU path; --device " + a.device +
+                         " runs the device backend's own kernels",
+                     2);
+    }
+    run_on_device(a, *device, n, *precision);
+    return;
   }
   const int threads = k::resolve_threads(static_cast<int>(a.threads));
 
@@ -218,12 +331,17 @@ void setup(CLI::App& sub) {
       ->capture_default_str();
   sub.add_option("--warmup", args->warmup, "Untimed steps first")->capture_default_str();
   sub.add_option("--isa", args->isa, "auto | scalar | avx2 | avx512")->capture_default_str();
+  sub.add_option("--device", args->device,
+                 "cpu (the CPU Adam kernels, against their streaming roofline) | cuda | cpu-strict "
+                 "(the step through that device backend, against its device copy)")
+      ->capture_default_str();
   sub.add_flag("--json", args->json, "Print one JSON object");
   sub.callback([args] { run(*args); });
 }
 
 const Registration kReg{"bench", "adam",
-                        "CPU Adam step vs the memory bandwidth of the same traffic (roofline)",
+                        "Adam step vs the memory bandwidth of the same traffic (roofline), on the "
+                        "CPU or a device",
                         &setup};
 
 }  // namespace
