@@ -1,63 +1,103 @@
 #!/usr/bin/env bash
-# One prepared run for a machine with a GPU (issue 13): builds with CUDA, runs the `gpu` tests
-# (every CUDA kernel against the CPU device, bit for bit), measures the CUDA device through
-# `zinf bench device` (pinned-free host <-> device copies, device copy, Adam against the device
-# copy) and trains the GPT with the engine on the GPU (ZINF_DEVICE=cuda: engine operations and
-# state on the GPU; the example model's own matrix products still run on the CPU), stage 3 with
-# parameters and optimizer on NVMe. Prints one JSON object. Meant to finish in a few minutes.
+# The one prepared run for a machine with a GPU (issue 13, docs/gpu.md). It:
+#  1. builds zinf with CUDA for this GPU (only the targets it runs);
+#  2. runs the `gpu` tests: every CudaDevice operation against the CPU device bit for bit, every
+#     GPT layer and the whole GpuModel against the CPU model element by element; the measured
+#     error of each comparison goes to the summary (ZINF_GPU_REPORT);
+#  3. measures pinned host <-> device copies and the device copy (`zinf bench device`), and the
+#     CUDA Adam step against the device copy (`zinf bench adam --device cuda`);
+#  4. trains the GPT on the GPU (`--device cuda`: the engine's state and operations and the
+#     model's compute) at stage 3 with parameters and optimizer on NVMe;
+# and prints one JSON object. Needs the project's packages (make deps) and nvcc; meant to finish
+# in under 8 minutes on one H200.
 #
-#   bash bench/gpu_check.sh [BUILD_DIR]      (env: STEPS=20, MODEL=small, SWAP=/tmp/zinf-gpu-swap)
+#   bash bench/gpu_check.sh [BUILD_DIR]
+#   env: STEPS=6 MODEL=gpt2-124m SEQ=256 BATCH=8 SWAP=/tmp/zinf-gpu-swap CUDA_ARCH=native
 set -uo pipefail
-BUILD=${1:-build}
-STEPS=${STEPS:-20}
-MODEL=${MODEL:-small}
+BUILD=${1:-build-gpu}
+STEPS=${STEPS:-6}
+MODEL=${MODEL:-gpt2-124m}
+SEQ=${SEQ:-256}
+BATCH=${BATCH:-8}
 SWAP=${SWAP:-/tmp/zinf-gpu-swap}
+CUDA_ARCH=${CUDA_ARCH:-native}
 OUT=$(mktemp -d)
 trap 'rm -rf "$OUT" "$SWAP"' EXIT
-nvidia-smi -L >"$OUT/gpu.txt" 2>&1 || echo "nvidia-smi failed" >>"$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.max,pcie.link.width.max \
+  --format=csv,noheader >"$OUT/gpu.txt" 2>&1 || echo "nvidia-smi failed" >>"$OUT/gpu.txt"
 
-{ cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DZINF_CUDA=ON &&
-  cmake --build "$BUILD" -j "$(nproc)"; } >"$OUT/build.log" 2>&1
+T0=$(date +%s)
+{ cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DZINF_CUDA=ON \
+    -DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCH" &&
+  cmake --build "$BUILD" -j "$(nproc)" --target zinf gpu_smoke_test cuda_device_test \
+    gpt_layers_gpu_test; } >"$OUT/build.log" 2>&1
 BUILD_RC=$?
-ctest --test-dir "$BUILD" -L gpu --output-on-failure >"$OUT/gpu_tests.log" 2>&1
+T1=$(date +%s)
+ZINF_GPU_REPORT="$OUT/kernels.jsonl" ctest --test-dir "$BUILD" -L gpu --output-on-failure \
+  >"$OUT/gpu_tests.log" 2>&1
 GPU_TESTS_RC=$?
-"$BUILD/cli/zinf" bench device --device cuda --size 1G --runs 7 --json >"$OUT/device.json" 2>"$OUT/device.err"
+ZINF="$BUILD/cli/zinf"
+"$ZINF" bench device --device cuda --size 1G --runs 7 --json >"$OUT/device.json" 2>"$OUT/device.err"
 DEVICE_RC=$?
+"$ZINF" bench adam --device cuda --params 256M --steps 9 --json >"$OUT/adam.json" 2>"$OUT/adam.err"
+ADAM_RC=$?
 mkdir -p "$SWAP"
-START=$(date +%s.%N)
-ZINF_DEVICE=cuda "$BUILD/cli/zinf" train --model "$MODEL" --steps "$STEPS" --stage 3 \
-  --offload-param nvme --offload-optimizer nvme --nvme-path "$SWAP" --log-json "$OUT/train.jsonl" \
-  >"$OUT/train.log" 2>&1
+"$ZINF" train --device cuda --model "$MODEL" --seq "$SEQ" --batch "$BATCH" --steps "$STEPS" \
+  --stage 3 --offload-param nvme --offload-optimizer nvme --nvme-path "$SWAP" \
+  --log-json "$OUT/train.jsonl" >"$OUT/train.log" 2>&1
 TRAIN_RC=$?
-END=$(date +%s.%N)
+T2=$(date +%s)
 
-python3 - "$OUT" "$BUILD_RC" "$GPU_TESTS_RC" "$DEVICE_RC" "$TRAIN_RC" "$START" "$END" <<'PY'
-import json, sys, os
-out, build_rc, tests_rc, device_rc, train_rc, start, end = sys.argv[1:]
+python3 - "$OUT" "$BUILD_RC" "$GPU_TESTS_RC" "$DEVICE_RC" "$ADAM_RC" "$TRAIN_RC" "$T0" "$T1" "$T2" \
+  "$SEQ" <<'PY'
+import json, os, re, statistics, sys
+out, build_rc, tests_rc, device_rc, adam_rc, train_rc, t0, t1, t2, seq = sys.argv[1:]
+seq = int(seq)
 def read(name):
     p = os.path.join(out, name)
     return open(p).read() if os.path.exists(p) else ""
-steps = []
-for line in read("train.jsonl").splitlines():
+def json_or_error(name, err):
+    text = read(name).strip()
     try:
-        j = json.loads(line)
+        return json.loads(text)
     except ValueError:
-        continue
-    if "step" in j:
-        steps.append(j)
+        return {"error": read(err).strip() or text}
+kernels = [json.loads(l) for l in read("kernels.jsonl").splitlines() if l.strip()]
+steps = [j for j in (json.loads(l) for l in read("train.jsonl").splitlines() if l.strip())
+         if "step" in j and "loss" in j]
+# Model FLOPs per trained token: 6 N (forward and backward of every weight) + 12 L T D (the
+# attention's two products per layer, forward and backward), from the banner's shape.
+banner = re.search(r"L=(\d+) D=(\d+) H=\d+ T=\d+ V=(\d+)", read("train.log"))
+flops_per_token = None
+if banner:
+    L, D, V = (int(x) for x in banner.groups())
+    n = 12 * L * D * D + 13 * L * D + V * D + seq * D + 2 * D
+    flops_per_token = 6 * n + 12 * L * seq * D
+timed = steps[1:] if len(steps) > 1 else steps  # the first step records the schedule
+step_s = statistics.median(s["seconds"] for s in timed) if timed else None
+tok_s = statistics.median(s["tokens_per_s"] for s in timed) if timed else None
+device = json_or_error("device.json", "device.err")
 summary = {
     "gpu": read("gpu.txt").strip(),
-    "build_rc": int(build_rc),
+    "build_rc": int(build_rc), "build_seconds": int(t1) - int(t0),
     "gpu_tests_rc": int(tests_rc),
-    "gpu_tests_tail": read("gpu_tests.log").strip().splitlines()[-12:],
-    "device_rc": int(device_rc),
-    "device": json.loads(read("device.json")) if read("device.json").strip() else read("device.err").strip(),
+    "gpu_tests_tail": read("gpu_tests.log").strip().splitlines()[-8:],
+    "kernels_vs_cpu": kernels,
+    "copies": {k: device.get(k) for k in ("host_to_device_bytes_per_s",
+               "device_to_host_bytes_per_s", "device_copy_bytes_per_s")} if "error" not in device
+              else device,
+    "adam": json_or_error("adam.json", "adam.err"),
     "train_rc": int(train_rc),
-    "train_seconds": float(end) - float(start),
+    "train_steps": len(steps),
     "loss_first": steps[0]["loss"] if steps else None,
     "loss_last": steps[-1]["loss"] if steps else None,
-    "tokens_per_s_last": steps[-1]["tokens_per_s"] if steps else None,
-    "train_tail": read("train.log").strip().splitlines()[-8:],
+    "step_seconds_median": step_s,
+    "tokens_per_s_median": tok_s,
+    "model_tflops": tok_s * flops_per_token / 1e12 if tok_s and flops_per_token else None,
+    "nvme_read_over_minimum": [s["nvme_read_bytes"] / s["nvme_read_minimum_bytes"]
+                               for s in steps if s.get("nvme_read_minimum_bytes")],
+    "train_tail": read("train.log").strip().splitlines()[-6:],
+    "total_seconds": int(t2) - int(t0),
 }
 if int(build_rc):
     summary["build_tail"] = read("build.log").strip().splitlines()[-20:]

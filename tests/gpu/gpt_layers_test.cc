@@ -5,8 +5,10 @@
 // without a GPU.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -59,10 +61,33 @@ class GptLayersOnGpu : public ::testing::Test {
     return h;
   }
 
+  // With $ZINF_GPU_REPORT set, one JSON line per comparison is appended to that file (the
+  // kernel, its bound, the largest error seen): bench/gpu_check.sh puts them in its summary.
+  static void report(const char* what, const std::vector<float>& got,
+                     const std::vector<float>& want, double atol, double rtol, bool bits) {
+    const char* path = std::getenv("ZINF_GPU_REPORT");
+    if (path == nullptr || got.size() != want.size()) return;
+    double max_abs = 0, max_rel = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      const double err = std::fabs(static_cast<double>(got[i]) - want[i]);
+      max_abs = std::max(max_abs, err);
+      if (want[i] != 0) max_rel = std::max(max_rel, err / std::fabs(static_cast<double>(want[i])));
+    }
+    if (FILE* f = std::fopen(path, "a")) {
+      std::fprintf(f,
+                   "{\"kernel\":\"%s\",\"elements\":%zu,\"bound\":\"%s\",\"atol\":%g,"
+                   "\"rtol\":%g,\"max_abs_error\":%g,\"max_rel_error\":%g}\n",
+                   what, got.size(), bits ? "bit-equal" : "atol + rtol * |cpu|", atol, rtol,
+                   max_abs, max_rel);
+      std::fclose(f);
+    }
+  }
+
   // Every element within atol + rtol * |reference|; reports the worst one.
   static void expect_close(const std::vector<float>& got, const std::vector<float>& want,
                            double atol, double rtol, const char* what) {
     ASSERT_EQ(got.size(), want.size()) << what;
+    report(what, got, want, atol, rtol, false);
     size_t worst = 0;
     double worst_excess = -1;
     size_t bad = 0;
@@ -82,6 +107,7 @@ class GptLayersOnGpu : public ::testing::Test {
   static void expect_bits(const std::vector<float>& got, const std::vector<float>& want,
                           const char* what) {
     ASSERT_EQ(got.size(), want.size()) << what;
+    report(what, got, want, 0, 0, true);
     for (size_t i = 0; i < got.size(); ++i) {
       if (std::memcmp(&got[i], &want[i], sizeof(float)) != 0) {
         ADD_FAILURE() << what << ": element " << i << " is " << got[i] << ", the CPU's " << want[i];
