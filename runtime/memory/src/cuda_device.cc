@@ -219,6 +219,8 @@ class CudaDevice final : public Device {
                                         src.dtype, acc.numel, overwrite));
   }
 
+  // A pageable host operand (a model's host copy: params_to_host, grads_from_host) is staged
+  // through the stream's scratch area, which the kernel reaches: copied in before, out after.
   void cast(TensorRef dst, ConstTensorRef src, Stream& stream) override {
     CudaStream& s = on(stream);
     if (dst.numel != src.numel) {
@@ -226,7 +228,23 @@ class CudaDevice final : public Device {
                         dst.numel));
       return;
     }
-    s.fail_if(kernels::cuda::cast(s.handle(), dst.data, dst.dtype, src.data, src.dtype, dst.numel));
+    const bool stage_src = pageable(src.data), stage_dst = pageable(dst.data);
+    if (!stage_src && !stage_dst) {
+      s.fail_if(
+          kernels::cuda::cast(s.handle(), dst.data, dst.dtype, src.data, src.dtype, dst.numel));
+      return;
+    }
+    const uint64_t src_bytes = align_up(src.bytes(), 256);
+    char* scratch = static_cast<char*>(s.scratch(src_bytes + dst.bytes()));
+    if (scratch == nullptr) return;
+    const void* from = src.data;
+    void* to = stage_dst ? scratch + src_bytes : dst.data;
+    if (stage_src) {
+      copy_async(scratch, src.data, src.bytes(), stream);
+      from = scratch;
+    }
+    s.fail_if(kernels::cuda::cast(s.handle(), to, dst.dtype, from, src.dtype, dst.numel));
+    if (stage_dst) copy_async(dst.data, to, dst.bytes(), stream);
   }
 
   void scale(TensorRef x, float factor, bool* found_nonfinite, Stream& stream) override {
@@ -304,6 +322,17 @@ class CudaDevice final : public Device {
   }
 
  private:
+  // Host memory that CUDA has not registered: its kernels cannot reach it (the host tier's
+  // buffers are registered; a model's own host arrays are not).
+  static bool pageable(const void* p) {
+    cudaPointerAttributes a{};
+    if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return true;
+    }
+    return a.type == cudaMemoryTypeUnregistered;
+  }
+
   // The stream of an operation, with this device's GPU made current for the launch.
   CudaStream& on(Stream& stream) const {
     bind(ordinal_);
