@@ -85,9 +85,11 @@ Result<std::unique_ptr<Communicator>> create_communicator(const CommConfig& conf
     }
     case Backend::kNccl: {
 #if ZINF_COMM_HAVE_NCCL
+      // One GPU per local rank, as the CUDA device picks it (cuda_ordinal).
+      const int gpus = cuda_device_count();
       NcclOptions options{.rank = config.rank,
                           .world_size = config.world_size,
-                          .device = config.local_rank,
+                          .device = gpus > 0 ? config.local_rank % gpus : 0,
                           .timeout = config.timeout};
       if (config.world_size > 1) {
 #if ZINF_COMM_HAVE_MPI

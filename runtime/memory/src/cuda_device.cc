@@ -1,6 +1,7 @@
 // CudaDevice: the device contract (zinf/memory/device.h) on GPU 0.
 //
-//  - memory: cudaMallocManaged under the budget, accounted like the CPU device's; managed memory
+//  - memory: cudaMallocManaged under the budget, cached for reuse and accounted like the CPU
+//    device's (no cudaFree, which synchronises the device, on the hot path); managed memory
 //    is what lets the host-side communicators (local, MPI) reach it through comm windows while the
 //    kernels use it in place (NCCL uses it as device memory);
 //  - streams: non-blocking cudaStream_t; host work runs as cudaLaunchHostFunc; an Event recorded
@@ -14,6 +15,7 @@
 
 #include <cuda_runtime.h>
 
+#include <map>
 #include <mutex>
 
 #include "budget_error.h"
@@ -167,24 +169,50 @@ class CudaDevice final : public Device {
 
   std::string name() const override { return "cuda:" + std::to_string(ordinal_); }
 
+  ~CudaDevice() override {
+    bind(ordinal_);
+    for (auto& [size, p] : cache_) (void)cudaFree(p);
+  }
+
+  // A caching allocator, as the CPU device's: a freed block is kept and reused by the next
+  // request of its size, with no call into CUDA (cudaFree synchronises the whole device, which
+  // would stall every stream at each released unit). Blocks in use and cached ones share the
+  // budget; cached blocks are freed, largest first, when a new size needs the room. The engine
+  // releases a buffer only once the operations using it have completed (the device contract),
+  // so a reused block is never still in use.
   Result<DeviceBuffer> allocate(uint64_t bytes, MemoryCategory category) override {
     if (bytes == 0) return DeviceBuffer();
     const uint64_t padded = align_up(bytes, 4096);
+    void* p = nullptr;
     {
       std::lock_guard lock(mu_);
-      if (in_use_ + padded > options_.budget_bytes) {
-        return device_budget_exhausted(padded, category, in_use_, options_.budget_bytes);
+      if (auto it = cache_.find(padded); it != cache_.end()) {
+        p = it->second;
+        cache_.erase(it);
+        cached_ -= padded;
+      } else {
+        while (in_use_ + cached_ + padded > options_.budget_bytes && !cache_.empty()) {
+          auto last = std::prev(cache_.end());
+          bind(ordinal_);
+          (void)cudaFree(last->second);
+          cached_ -= last->first;
+          cache_.erase(last);
+        }
+        if (in_use_ + padded > options_.budget_bytes) {
+          return device_budget_exhausted(padded, category, in_use_, options_.budget_bytes);
+        }
       }
       in_use_ += padded;
     }
-    void* p = nullptr;
-    bind(ordinal_);
-    if (cudaError_t err = cudaMallocManaged(&p, padded); err != cudaSuccess) {
-      std::lock_guard lock(mu_);
-      in_use_ -= padded;
-      return make_error(ErrorCode::kOutOfMemory, "cudaMallocManaged of {} for {}: {}",
-                        format_bytes(static_cast<double>(padded)), category_name(category),
-                        cudaGetErrorString(err));
+    if (p == nullptr) {
+      bind(ordinal_);
+      if (cudaError_t err = cudaMallocManaged(&p, padded); err != cudaSuccess) {
+        std::lock_guard lock(mu_);
+        in_use_ -= padded;
+        return make_error(ErrorCode::kOutOfMemory, "cudaMallocManaged of {} for {}: {}",
+                          format_bytes(static_cast<double>(padded)), category_name(category),
+                          cudaGetErrorString(err));
+      }
     }
     if (options_.ledger) options_.ledger->add(Tier::kDevice, category, padded);
     return DeviceBuffer(this, p, padded, category);
@@ -314,11 +342,11 @@ class CudaDevice final : public Device {
 
  protected:
   void release(void* data, uint64_t bytes, MemoryCategory category) override {
-    bind(ordinal_);
-    (void)cudaFree(data);  // (waits for the device: freed memory may still be in use by a kernel)
     if (options_.ledger) options_.ledger->sub(Tier::kDevice, category, bytes);
     std::lock_guard lock(mu_);
     in_use_ -= bytes;
+    cache_.emplace(bytes, data);
+    cached_ += bytes;
   }
 
  private:
@@ -343,6 +371,8 @@ class CudaDevice final : public Device {
   int ordinal_ = 0;
   mutable std::mutex mu_;
   uint64_t in_use_ = 0;
+  uint64_t cached_ = 0;
+  std::multimap<uint64_t, void*> cache_;  // size -> freed block kept for reuse
 };
 
 }  // namespace
