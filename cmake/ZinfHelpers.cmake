@@ -26,11 +26,27 @@ function(zinf_test name)
   endif()
   add_executable(${name} ${ARG_SOURCES})
   target_link_libraries(${name} PRIVATE ${ARG_DEPS} GTest::gtest GTest::gtest_main GTest::gmock)
+  # The CPU device, also on a machine with a GPU (where `auto` would pick CUDA): the GPU's own
+  # tests are tests/gpu's.
   gtest_discover_tests(${name} DISCOVERY_TIMEOUT 60
-    PROPERTIES LABELS "${ARG_LABELS}" TIMEOUT ${ARG_TIMEOUT})
+    PROPERTIES LABELS "${ARG_LABELS}" TIMEOUT ${ARG_TIMEOUT} ENVIRONMENT "ZINF_DEVICE=cpu")
   if(ARG_STRICT)
     gtest_discover_tests(${name} DISCOVERY_TIMEOUT 60 TEST_PREFIX "strict."
       PROPERTIES LABELS "${ARG_LABELS}" TIMEOUT ${ARG_TIMEOUT}
                  ENVIRONMENT "ZINF_DEVICE=cpu-strict")
   endif()
+endfunction()
+
+# Every test of the calling directory that names no device runs on the CPU device: with the
+# default `auto` a machine with a GPU would otherwise run them on CUDA, against expectations
+# written for the CPU (the GPU's own checks are tests/gpu's). Call it last in a tests/ folder
+# that uses add_test(); zinf_test() sets the same for the tests gtest discovers.
+function(zinf_tests_default_to_cpu)
+  get_property(_tests DIRECTORY PROPERTY TESTS)
+  foreach(_test ${_tests})
+    get_test_property(${_test} ENVIRONMENT _env)
+    if(NOT _env MATCHES "ZINF_DEVICE=")
+      set_property(TEST ${_test} APPEND PROPERTY ENVIRONMENT "ZINF_DEVICE=cpu")
+    endif()
+  endforeach()
 endfunction()

@@ -67,6 +67,28 @@ TEST(Budgets, WithoutOffloadTheDeviceTakesHalfOfWhatIsAvailable) {
   EXPECT_EQ(b.host_bytes, 23 * GiB / 4 / 2);
 }
 
+// On a GPU the device budget is the GPU's own free memory (9/10 of it, split between the ranks
+// that share the GPU), not a share of the host's RAM; the host budget is unchanged.
+TEST(Budgets, OnAGpuTheDeviceTakesTheGpusFreeMemory) {
+  EngineSettings s;
+  const StateSizes z{
+      .largest_unit_elements = 1000, .total_unit_elements = 10'000, .device_home_bytes = 160'000};
+  MachineMemory gpu_box = kBox;
+  gpu_box.device_free_bytes = 80 * GiB;
+  gpu_box.ranks_per_device = 2;
+  const Budgets b = choose_budgets(s, z, gpu_box, 4);
+  EXPECT_EQ(b.device_bytes, 80 * GiB / 10 * 9 / 2);
+  EXPECT_NE(b.device_reason.find("GPU's free memory over the 2 rank(s)"), std::string::npos)
+      << b.device_reason;
+  EXPECT_EQ(b.host_bytes, 23 * GiB / 4 / 4);
+  // State homed on the device beyond that share still gets its room, and the reason says so.
+  const StateSizes big{
+      .largest_unit_elements = 1000, .total_unit_elements = 10'000, .device_home_bytes = 50 * GiB};
+  const Budgets c = choose_budgets(s, big, gpu_box, 4);
+  EXPECT_GE(c.device_bytes, 50 * GiB);
+  EXPECT_NE(c.device_reason.find("the GPU's free memory"), std::string::npos) << c.device_reason;
+}
+
 // State homed in a tier always fits there, with a reason that says it is more than the share.
 TEST(Budgets, HomedStateAlwaysFits) {
   EngineSettings s;

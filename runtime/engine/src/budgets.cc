@@ -111,12 +111,15 @@ Budgets choose_budgets(const EngineSettings& s, const StateSizes& z, const Machi
   const uint64_t wsize = dtype_size(s.dtype);
   Budgets b;
 
-  // Device: the CPU device's memory is this machine's RAM.
+  // Device: a GPU's own free memory; the CPU device's memory is this machine's RAM.
+  const bool gpu = machine.device_free_bytes > 0;
   if (s.device_mem > 0) {
     b.device_bytes = s.device_mem;
     b.device_reason = "set";
   } else {
-    const uint64_t share = machine.available_bytes / (z.nvme ? 8 : 2) / ranks;
+    const uint64_t share = gpu ? machine.device_free_bytes / 10 * 9 /
+                                     static_cast<uint64_t>(std::max(machine.ranks_per_device, 1))
+                               : machine.available_bytes / (z.nvme ? 8 : 2) / ranks;
     // A step's working set beyond the homed state: at least the unit being worked on; at most,
     // on top, the gathered units within the live bound and their shards in flight (the
     // scheduler's live bound is then what fits beside the rest: live_elements_that_fit).
@@ -130,14 +133,18 @@ Budgets choose_budgets(const EngineSettings& s, const StateSizes& z, const Machi
       b.device_bytes = least;
       b.device_reason = fmt::format(
           "the state homed on the device ({}) and one unit's working set; more than the share "
-          "of MemAvailable ({}): offload parameters or optimizer state to use less",
-          mib(z.device_home_bytes), mib(share));
+          "of {} ({}): offload parameters or optimizer state to use less",
+          mib(z.device_home_bytes), gpu ? "the GPU's free memory" : "MemAvailable", mib(share));
     } else if (z.params_offloaded && most <= share) {
       b.device_bytes = most;
       b.device_reason = fmt::format(
           "the live window (stage3_max_live_parameters and 4 of the largest unit) and {} of "
           "state homed on the device",
           mib(z.device_home_bytes));
+    } else if (gpu) {
+      b.device_bytes = share;
+      b.device_reason = fmt::format("9/10 of the GPU's free memory over the {} rank(s) sharing it",
+                                    std::max(machine.ranks_per_device, 1));
     } else {
       b.device_bytes = share;
       b.device_reason = fmt::format("{} of MemAvailable over {} rank(s) on this machine",

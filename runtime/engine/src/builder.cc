@@ -57,7 +57,14 @@ class Builder {
     }
     e.sizes = z;
     const bool local = e.comm.backend() == comm::Backend::kLocal;
-    e.budgets = choose_budgets(s, z, machine, ranks_on_this_machine(local, e.world));
+    const int ranks_here = ranks_on_this_machine(local, e.world);
+    ZINF_ASSIGN_OR_RETURN(const DeviceKind kind, resolve_device_kind(s.device));
+    if (kind == DeviceKind::kCuda && s.device_mem == 0 && cuda_device_count() > 0) {
+      const int ordinal = cuda_ordinal(s.device_ordinal);
+      machine.device_free_bytes = cuda_free_bytes(ordinal);
+      machine.ranks_per_device = (ranks_here + cuda_device_count() - 1) / cuda_device_count();
+    }
+    e.budgets = choose_budgets(s, z, machine, ranks_here);
     if (e.world > 1) {
       ZINF_ASSIGN_OR_RETURN(e.budgets.device_bytes, smallest_of_ranks(e.budgets.device_bytes));
       ZINF_ASSIGN_OR_RETURN(e.budgets.host_bytes, smallest_of_ranks(e.budgets.host_bytes));

@@ -444,6 +444,7 @@ int cuda_ordinal(int requested) {
 #ifndef ZINF_HAVE_CUDA
 bool cuda_device_visible() { return false; }
 int cuda_device_count() { return 0; }
+uint64_t cuda_free_bytes(int) { return 0; }
 
 Result<std::unique_ptr<Device>> make_cuda_device(const DeviceOptions&) {
   return make_error(ErrorCode::kUnavailable,

@@ -17,6 +17,7 @@
 
 #include <map>
 #include <mutex>
+#include <vector>
 
 #include "budget_error.h"
 #include "event_state.h"
@@ -142,8 +143,8 @@ class CudaStream final : public Stream {
     std::function<Status()> work;
   };
   static void CUDART_CB run_item(void* p) {
+    // No CUDA call may be made here (a host function): the work is host code only.
     std::unique_ptr<Item> item(static_cast<Item*>(p));
-    bind(item->stream->ordinal_);
     Status s = item->work();
     if (!s.is_ok()) item->stream->fail(std::move(s));
   }
@@ -184,6 +185,7 @@ class CudaDevice final : public Device {
     if (bytes == 0) return DeviceBuffer();
     const uint64_t padded = align_up(bytes, 4096);
     void* p = nullptr;
+    std::vector<void*> evicted;  // freed outside the lock: cudaFree waits for the device
     {
       std::lock_guard lock(mu_);
       if (auto it = cache_.find(padded); it != cache_.end()) {
@@ -191,18 +193,21 @@ class CudaDevice final : public Device {
         cache_.erase(it);
         cached_ -= padded;
       } else {
-        while (in_use_ + cached_ + padded > options_.budget_bytes && !cache_.empty()) {
-          auto last = std::prev(cache_.end());
-          bind(ordinal_);
-          (void)cudaFree(last->second);
-          cached_ -= last->first;
-          cache_.erase(last);
-        }
         if (in_use_ + padded > options_.budget_bytes) {
           return device_budget_exhausted(padded, category, in_use_, options_.budget_bytes);
         }
+        while (in_use_ + cached_ + padded > options_.budget_bytes && !cache_.empty()) {
+          auto last = std::prev(cache_.end());
+          evicted.push_back(last->second);
+          cached_ -= last->first;
+          cache_.erase(last);
+        }
       }
       in_use_ += padded;
+    }
+    if (!evicted.empty()) {
+      bind(ordinal_);
+      for (void* e : evicted) (void)cudaFree(e);
     }
     if (p == nullptr) {
       bind(ordinal_);
@@ -383,6 +388,17 @@ int cuda_device_count() {
 }
 
 bool cuda_device_visible() { return cuda_device_count() > 0; }
+
+uint64_t cuda_free_bytes(int ordinal) {
+  if (ordinal < 0 || ordinal >= cuda_device_count()) return 0;
+  bind(ordinal);
+  size_t free = 0, total = 0;
+  if (cudaMemGetInfo(&free, &total) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return free;
+}
 
 Result<std::unique_ptr<Device>> make_cuda_device(const DeviceOptions& options) {
   const int gpus = cuda_device_count();

@@ -83,8 +83,8 @@ class DeviceArray {
     if (gpu_ == &gpu && n == size_) return;
     reset();
     gpu_ = &gpu;
-    size_ = n;
     data_ = n == 0 ? nullptr : static_cast<T*>(gpu.alloc(n * sizeof(T)));
+    size_ = data_ != nullptr ? n : 0;  // a failed allocation is recorded in the Gpu
   }
   void reset() {
     if (data_ != nullptr) gpu_->free(data_);

@@ -37,6 +37,10 @@ struct EngineSettings;
 struct MachineMemory {
   uint64_t total_bytes = 0;      // MemTotal
   uint64_t available_bytes = 0;  // MemAvailable
+  // The GPU's free memory when the device is CUDA (0: the device is the CPU's RAM), and how
+  // many of this machine's ranks share that GPU.
+  uint64_t device_free_bytes = 0;
+  int ranks_per_device = 1;
 };
 // /proc/meminfo, within the memory cgroup's limit when there is one (memory.max); read once per
 // process. An error naming the file when it cannot be read.

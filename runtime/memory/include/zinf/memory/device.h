@@ -235,6 +235,8 @@ Result<DeviceKind> resolve_device_kind(DeviceKind kind);
 bool cuda_device_visible();
 // The GPUs visible to this build (0 without CUDA, a driver or a device).
 int cuda_device_count();
+// Free memory of GPU `ordinal` now (cudaMemGetInfo); 0 when it cannot be read.
+uint64_t cuda_free_bytes(int ordinal);
 
 struct CpuDeviceOptions {
   uint64_t budget_bytes = 1ull << 30;
