@@ -56,6 +56,7 @@ class CudaStream final : public Stream {
     if (stream_ == nullptr) return;
     bind(ordinal_);
     (void)cudaStreamSynchronize(stream_);
+    empty_retired();
     if (scratch_ != nullptr) (void)cudaFree(scratch_);
     (void)cudaStreamDestroy(stream_);
   }
@@ -84,10 +85,16 @@ class CudaStream final : public Stream {
         (void)cudaEventDestroy(ev);
       }
     }
-    enqueue([this, state] {
+    // The host function must not drop the last reference to the state: its cudaEvent_t would be
+    // destroyed there, and no CUDA call may run inside a host function. It hands its reference
+    // to `retired_`, which a later call on an ordinary thread empties.
+    enqueue([this, state]() mutable {
       state->complete(sticky());
+      std::lock_guard lock(mu_);
+      retired_.push_back(std::move(state));
       return Status::ok();
     });
+    empty_retired();
     return Event(state);
   }
 
@@ -104,6 +111,7 @@ class CudaStream final : public Stream {
   Status synchronize() override {
     bind(ordinal_);
     const cudaError_t err = cudaStreamSynchronize(stream_);
+    empty_retired();
     std::lock_guard lock(mu_);
     Status s = std::exchange(sticky_, Status::ok());
     if (err != cudaSuccess && s.is_ok()) s = cuda_status("cudaStreamSynchronize", err);
@@ -152,12 +160,22 @@ class CudaStream final : public Stream {
     std::lock_guard lock(mu_);
     return sticky_;
   }
+  // Drops the event states the host functions handed over (outside the lock: a state's last
+  // reference destroys its cudaEvent_t).
+  void empty_retired() {
+    std::vector<std::shared_ptr<Event::State>> done;
+    {
+      std::lock_guard lock(mu_);
+      done.swap(retired_);
+    }
+  }
 
   std::string name_;
   int ordinal_ = 0;
   cudaStream_t stream_ = nullptr;
   mutable std::mutex mu_;
   Status sticky_;
+  std::vector<std::shared_ptr<Event::State>> retired_;  // see record()
   void* scratch_ = nullptr;
   uint64_t scratch_bytes_ = 0;
 };
