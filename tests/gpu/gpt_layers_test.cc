@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "zinf/core/dtype.h"
 #include "zinf/gpt/config.h"
 #include "zinf/gpt/cuda_layers.h"
 #include "zinf/gpt/gpu_model.h"
@@ -32,6 +33,16 @@ std::vector<float> random_floats(size_t n, uint64_t seed, float lo = -1.0f, floa
   std::vector<float> v(n);
   for (float& x : v) x = dist(rng);
   return v;
+}
+
+// db += the column sums of dy, rows in order (as layers.cc's matmul_backward adds them).
+void column_sums_reference(const std::vector<float>& dy, int64_t rows, int cols,
+                           std::vector<float>& db) {
+  for (int c = 0; c < cols; ++c) {
+    float acc = db[c];
+    for (int64_t r = 0; r < rows; ++r) acc += dy[r * cols + c];
+    db[c] = acc;
+  }
 }
 
 class GptLayersOnGpu : public ::testing::Test {
@@ -194,6 +205,49 @@ TEST_F(GptLayersOnGpu, MatmulWithinItsBound) {
   expect_close(down(dx_d, dx.size()), dx, 2e-5, 1e-5, "matmul_backward (dx)");
   expect_close(down(dw_d, dw.size()), dw, 2e-5, 1e-5, "matmul_backward (dw)");
   expect_bits(down(db_d, db.size()), db, "matmul_backward (db: column sums in row order)");
+}
+
+// bf16 and fp16 inputs (tensor cores, fp32 accumulation) against the CPU's fp32 product of the
+// same rounded operands: products of 16-bit values are exact in fp32, so the bound is fp32's.
+TEST_F(GptLayersOnGpu, MatmulWith16BitInputsWithinItsBound) {
+  for (DType dtype : {DType::kBF16, DType::kF16}) {
+    SCOPED_TRACE(std::string(dtype_name(dtype)));
+    const int64_t rows = 70;
+    const int in = 96, out = 136;
+    auto round = [&](std::vector<float> v) {
+      for (float& x : v) {
+        x = dtype == DType::kBF16 ? bf16_to_f32(f32_to_bf16(x)) : f16_to_f32(f32_to_f16(x));
+      }
+      return v;
+    };
+    const auto x = random_floats(rows * in, 30);
+    const auto w = random_floats(out * in, 31);
+    const auto b = random_floats(out, 32);
+    const auto dy = random_floats(rows * out, 33);
+    std::vector<float> y(rows * out), dx(rows * in);
+    auto dw = random_floats(w.size(), 34);
+    auto db = random_floats(b.size(), 35);
+    float* dw_d = up(dw);
+    float* db_d = up(db);
+    const auto xr = round(x), wr = round(w), dyr = round(dy);
+    matmul_forward(xr.data(), wr.data(), b.data(), rows, in, out, y.data());
+    // db sums the fp32 dy (the column sums do not go through the product).
+    matmul_backward(dyr.data(), xr.data(), wr.data(), rows, in, out, dx.data(), dw.data(), nullptr);
+    column_sums_reference(dy, rows, out, db);
+
+    gpu_->set_matmul_inputs(dtype);
+    const float* x_d = up(x);
+    const float* w_d = up(w);
+    float* y_d = poisoned(y.size());
+    float* dx_d = poisoned(dx.size());
+    cuda::matmul_forward(*gpu_, x_d, w_d, up(b), rows, in, out, y_d);
+    cuda::matmul_backward(*gpu_, up(dy), x_d, w_d, rows, in, out, dx_d, dw_d, db_d);
+    gpu_->set_matmul_inputs(DType::kF32);
+    expect_close(down(y_d, y.size()), y, 2e-5, 1e-5, "matmul_forward, 16-bit inputs");
+    expect_close(down(dx_d, dx.size()), dx, 2e-5, 1e-5, "matmul_backward (dx), 16-bit inputs");
+    expect_close(down(dw_d, dw.size()), dw, 2e-5, 1e-5, "matmul_backward (dw), 16-bit inputs");
+    expect_bits(down(db_d, db.size()), db, "matmul_backward (db), 16-bit inputs");
+  }
 }
 
 TEST_F(GptLayersOnGpu, LayerNormWithinItsBound) {

@@ -26,6 +26,10 @@ struct Gpu::Impl {
   // crossentropy's per-row losses.
   double* row_loss = nullptr;
   size_t row_loss_elems = 0;
+  // The linear layers' product inputs, and their 16-bit copies (two operands).
+  DType matmul_inputs = DType::kF32;
+  uint16_t* half[2] = {nullptr, nullptr};
+  size_t half_elems[2] = {0, 0};
 
   bool failed() const { return !error.empty(); }
   void fail(std::string what) {
@@ -178,6 +182,11 @@ __global__ void column_sums_add_kernel(const float* dy, int64_t rows, int cols, 
 }
 
 // ---- element-wise ----
+
+__global__ void round_to_16bit_kernel(const float* x, int64_t n, bool bf16, uint16_t* y) {
+  const int64_t i = global_index();
+  if (i < n) y[i] = bf16 ? f32_to_bf16(x[i]) : f32_to_f16(x[i]);
+}
 
 __global__ void gelu_forward_kernel(const float* x, int64_t n, float* y) {
   const int64_t i = global_index();
@@ -355,12 +364,18 @@ Gpu::~Gpu() {
   (void)impl();
   if (impl_->att_scratch != nullptr) cudaFreeAsync(impl_->att_scratch, impl_->stream);
   if (impl_->row_loss != nullptr) cudaFreeAsync(impl_->row_loss, impl_->stream);
+  for (uint16_t* h : impl_->half) {
+    if (h != nullptr) cudaFreeAsync(h, impl_->stream);
+  }
   cudaStreamSynchronize(impl_->stream);
   cublasDestroy(impl_->blas);
   cudaStreamDestroy(impl_->stream);
 }
 
 void* Gpu::stream() const { return impl_->stream; }
+
+void Gpu::set_matmul_inputs(DType dtype) { impl_->matmul_inputs = dtype; }
+DType Gpu::matmul_inputs() const { return impl_->matmul_inputs; }
 
 std::string Gpu::error() {
   (void)impl();
@@ -437,6 +452,38 @@ void run(Gpu::Impl& g, const GemmCall& c) {
   }
 }
 
+// `n` fp32 values rounded into 16-bit copy `slot`; null (the failure recorded) when it fails.
+const float* rounded_copy(Gpu::Impl& g, int slot, const float* x, int64_t n) {
+  uint16_t* y =
+      g.scratch(g.half[slot], g.half_elems[slot], static_cast<size_t>(n), "16-bit product operand");
+  if (y == nullptr) return nullptr;
+  round_to_16bit_kernel<<<blocks_for(n), kThreads, 0, g.stream>>>(
+      x, n, g.matmul_inputs == DType::kBF16, y);
+  if (!g.launched("rounding a product operand to 16 bits")) return nullptr;
+  // Handed through GemmCall's pointers, which only carry the address: run16 reads it as 16-bit.
+  return reinterpret_cast<const float*>(y);
+}
+
+// A product of gemm_plan.h whose A and B point at 16-bit copies (rounded_copy), C at fp32:
+// tensor cores, fp32 accumulation.
+void run16(Gpu::Impl& g, const GemmCall& c) {
+  if (g.failed()) return;
+  const cudaDataType_t in = g.matmul_inputs == DType::kBF16 ? CUDA_R_16BF : CUDA_R_16F;
+  g.ok(cublasGemmEx(g.blas, c.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+                    c.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(c.m),
+                    static_cast<int>(c.n), static_cast<int>(c.k), &c.alpha, c.a, in,
+                    static_cast<int>(c.lda), c.b, in, static_cast<int>(c.ldb), &c.beta, c.c,
+                    CUDA_R_32F, static_cast<int>(c.ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+       "cublasGemmEx");
+}
+
+// The rows of a linear layer's product within cuBLAS's int (run() checks the fp32 calls).
+bool rows_fit_cublas(Gpu::Impl& g, int64_t rows) {
+  if (rows <= std::numeric_limits<int>::max()) return true;
+  g.fail("matrix product with " + std::to_string(rows) + " rows exceeds cuBLAS's 32-bit sizes");
+  return false;
+}
+
 }  // namespace
 
 void layernorm_forward(Gpu& gpu, const float* x, const float* w, const float* b, int64_t rows,
@@ -471,15 +518,34 @@ void matmul_forward(Gpu& gpu, const float* x, const float* w, const float* b, in
     if (!g.launched("matmul_forward (bias)")) return;
     beta = 1.0f;
   }
-  run(g, matmul_forward_gemm(x, w, rows, in, out, beta, y));
+  if (g.matmul_inputs == DType::kF32) {
+    run(g, matmul_forward_gemm(x, w, rows, in, out, beta, y));
+    return;
+  }
+  if (!rows_fit_cublas(g, rows)) return;
+  const float* x16 = rounded_copy(g, 0, x, rows * in);
+  const float* w16 = rounded_copy(g, 1, w, int64_t{out} * in);
+  if (x16 != nullptr && w16 != nullptr)
+    run16(g, matmul_forward_gemm(x16, w16, rows, in, out, beta, y));
 }
 
 void matmul_backward(Gpu& gpu, const float* dy, const float* x, const float* w, int64_t rows,
                      int in, int out, float* dx, float* dw, float* db) {
   Gpu::Impl& g = gpu.impl();
   if (g.failed() || rows == 0) return;
-  if (dx != nullptr) run(g, matmul_dx_gemm(dy, w, rows, in, out, dx));
-  run(g, matmul_dw_gemm(dy, x, rows, in, out, dw));
+  if (g.matmul_inputs == DType::kF32) {
+    if (dx != nullptr) run(g, matmul_dx_gemm(dy, w, rows, in, out, dx));
+    run(g, matmul_dw_gemm(dy, x, rows, in, out, dw));
+  } else if (rows_fit_cublas(g, rows)) {
+    // dy rounded once for both products; slot 1 holds w, then x (stream order keeps them apart).
+    const float* dy16 = rounded_copy(g, 0, dy, rows * out);
+    if (dx != nullptr) {
+      const float* w16 = rounded_copy(g, 1, w, int64_t{out} * in);
+      if (dy16 != nullptr && w16 != nullptr) run16(g, matmul_dx_gemm(dy16, w16, rows, in, out, dx));
+    }
+    const float* x16 = rounded_copy(g, 1, x, rows * in);
+    if (dy16 != nullptr && x16 != nullptr) run16(g, matmul_dw_gemm(dy16, x16, rows, in, out, dw));
+  }
   if (db != nullptr && !g.failed()) {
     column_sums_add_kernel<<<blocks_for(out), kThreads, 0, g.stream>>>(dy, rows, out, db);
     g.launched("matmul_backward (db)");

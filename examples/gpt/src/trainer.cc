@@ -484,6 +484,8 @@ Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o
     if (gpu == nullptr) {
       return make_error(ErrorCode::kUnavailable, "the GPT on the GPU: {}", error);
     }
+    // bf16 / fp16 runs multiply in that precision on the tensor cores (fp32 accumulation).
+    gpu->set_matmul_inputs(engine.settings().dtype);
     gpu_model.emplace(cfg, *gpu);
     gpu_buffers.emplace(*gpu);
   }

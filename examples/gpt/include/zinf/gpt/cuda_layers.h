@@ -8,7 +8,8 @@
 //    gradients (column sums in row order): the same operations in the same order as the CPU,
 //    through layer_math.h; bit-equal.
 //  - matmul_*: cuBLAS in fp32 (no TF32), so the dot products are summed in another order: within
-//    a few ulps of the CPU times the length of the dot product.
+//    a few ulps of the CPU times the length of the dot product. With bf16/fp16 inputs
+//    (set_matmul_inputs), the same bound against the CPU's product of the rounded operands.
 //  - layernorm_* (row sums), attention_* (cuBLAS and expf), crossentropy (exp and log in double):
 //    within a stated relative bound (see the test).
 //
@@ -22,6 +23,8 @@
 #include <memory>
 #include <string>
 #include <utility>
+
+#include "zinf/core/dtype.h"
 
 namespace zinf::gpt::cuda {
 
@@ -40,6 +43,13 @@ class Gpu {
 
   // The cudaStream_t the layers run on.
   void* stream() const;
+
+  // The element type of the linear layers' matrix-product inputs (matmul_forward/backward):
+  // fp32 (the default), or bf16/fp16 for a run in that precision: the operands are rounded to
+  // it (round to nearest even) and multiplied on the tensor cores with fp32 accumulation and fp32
+  // results (cublasGemmEx, CUBLAS_COMPUTE_32F). Attention's products stay fp32.
+  void set_matmul_inputs(DType dtype);
+  DType matmul_inputs() const;
 
   // The first failure since the last call ("" when none), cleared.
   std::string error();
