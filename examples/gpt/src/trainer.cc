@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -32,6 +33,10 @@
 #endif
 
 namespace zinf::gpt {
+#if ZINF_GPT_TEST_GPU_MODEL
+// Set by tests/gpt/train_gpu_path_test.cc (see test_gpu_model_on_any_device below).
+std::atomic<bool> g_test_gpu_model{false};
+#endif
 namespace {
 
 std::vector<zero::UnitSpec> engine_units(const GptConfig& cfg) {
@@ -239,6 +244,15 @@ class GpuBuffers {
   cuda::Gpu& gpu_;
   std::vector<Buffer> free_;
 };
+
+// Tests only: a build of this file with ZINF_GPT_TEST_GPU_MODEL (never a shipped one) runs the
+// GPU model's path on any device when the test asks, over the host stand-in for the CUDA layers
+// (tests/gpt/fake_gpu.cc), so that the path is tested on machines without a GPU.
+#if ZINF_GPT_TEST_GPU_MODEL
+bool test_gpu_model_on_any_device() { return g_test_gpu_model.load(); }
+#else
+constexpr bool test_gpu_model_on_any_device() { return false; }
+#endif
 #endif
 
 template <typename Buffers>
@@ -478,7 +492,7 @@ Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o
   std::optional<cuda::GpuModel> gpu_model;
   std::optional<GpuBuffers> gpu_buffers;
   ZINF_ASSIGN_OR_RETURN(const DeviceKind device, resolve_device_kind(o.engine.device));
-  if (device == DeviceKind::kCuda) {
+  if (device == DeviceKind::kCuda || test_gpu_model_on_any_device()) {
     std::string error;
     gpu = cuda::Gpu::create(cuda_ordinal(engine.settings().device_ordinal), &error);
     if (gpu == nullptr) {
