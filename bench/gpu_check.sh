@@ -77,6 +77,14 @@ timed = steps[1:] if len(steps) > 1 else steps  # the first step records the sch
 step_s = statistics.median(s["seconds"] for s in timed) if timed else None
 tok_s = statistics.median(s["tokens_per_s"] for s in timed) if timed else None
 device = json_or_error("device.json", "device.err")
+# The link's peak from nvidia-smi's "name, memory, pcie gen max, pcie width max": PCIe 3-6 at
+# 8/16/32/64 GT/s per lane, 128b/130b encoding (PCIe 6's FLIT encoding is close enough here).
+link_peak = None
+fields = [f.strip() for f in read("gpu.txt").splitlines()[0].split(",")] if read("gpu.txt") else []
+if len(fields) >= 4 and fields[2].isdigit() and fields[3].isdigit():
+    gts = {3: 8e9, 4: 16e9, 5: 32e9, 6: 64e9}.get(int(fields[2]))
+    if gts:
+        link_peak = gts * int(fields[3]) * 128 / 130 / 8
 summary = {
     "gpu": read("gpu.txt").strip(),
     "build_rc": int(build_rc), "build_seconds": int(t1) - int(t0),
@@ -86,6 +94,11 @@ summary = {
     "copies": {k: device.get(k) for k in ("host_to_device_bytes_per_s",
                "device_to_host_bytes_per_s", "device_copy_bytes_per_s")} if "error" not in device
               else device,
+    "pcie_peak_bytes_per_s": link_peak,
+    "host_to_device_over_peak": device["host_to_device_bytes_per_s"] / link_peak
+                                if link_peak and "error" not in device else None,
+    "device_to_host_over_peak": device["device_to_host_bytes_per_s"] / link_peak
+                                if link_peak and "error" not in device else None,
     "adam": json_or_error("adam.json", "adam.err"),
     "train_rc": int(train_rc),
     "train_steps": len(steps),
