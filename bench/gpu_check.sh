@@ -26,9 +26,25 @@ trap 'rm -rf "$OUT" "$SWAP"' EXIT
 nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.max,pcie.link.width.max \
   --format=csv,noheader >"$OUT/gpu.txt" 2>&1 || echo "nvidia-smi failed" >>"$OUT/gpu.txt"
 
+# Packages carried from bench/gpu_deps.sh (a machine that cannot install them): unpacked into a
+# prefix of this run's own, found through it; MPI and Gloo are left out.
+EXTRA=()
+if [ -d .gpudeps ] && ls .gpudeps/*.deb >/dev/null 2>&1; then
+  DEPS=/tmp/zinf-gpudeps
+  mkdir -p "$DEPS"
+  for f in .gpudeps/*.deb; do dpkg -x "$f" "$DEPS"; done
+  ARCHLIB=$(ls -d "$DEPS"/usr/lib/*-linux-gnu | head -1)
+  export PATH="$DEPS/usr/bin:$PATH"
+  export PKG_CONFIG_PATH="$ARCHLIB/pkgconfig:$DEPS/usr/share/pkgconfig"
+  export PKG_CONFIG_SYSROOT_DIR="$DEPS"
+  export LD_LIBRARY_PATH="$ARCHLIB:$ARCHLIB/openblas-pthread:${LD_LIBRARY_PATH:-}"
+  EXTRA=(-DCMAKE_PREFIX_PATH="$DEPS/usr" -DZINF_MPI=OFF -DZINF_GLOO=OFF
+         -DCMAKE_CXX_FLAGS="-isystem $DEPS/usr/include")
+fi
+
 T0=$(date +%s)
 { cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DZINF_CUDA=ON \
-    -DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCH" &&
+    -DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCH" "${EXTRA[@]}" &&
   cmake --build "$BUILD" -j "$(nproc)" --target zinf gpu_smoke_test cuda_device_test \
     gpt_layers_gpu_test; } >"$OUT/build.log" 2>&1
 BUILD_RC=$?
