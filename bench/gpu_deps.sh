@@ -13,6 +13,5 @@ PKGS=(liburing-dev liburing2 libtbb-dev libtbb12 libtbbmalloc2 libtbbbind-2-5
       libgtest-dev libgmock-dev nlohmann-json3-dev libcli11-dev libspdlog-dev libspdlog1.10
       libfmt-dev libfmt9 libxxhash-dev libxxhash0 libboost-dev pkgconf pkgconf-bin libpkgconf3)
 mkdir -p .gpudeps
-grep -qx '/.gpudeps/' .git/info/exclude 2>/dev/null || echo '/.gpudeps/' >>.git/info/exclude
 (cd .gpudeps && apt-get download "${PKGS[@]}")
 du -sh .gpudeps
