@@ -12,17 +12,20 @@
 # in under 8 minutes on one H200.
 #
 #   bash bench/gpu_check.sh [BUILD_DIR]
-#   env: STEPS=6 MODEL=gpt2-124m SEQ=256 BATCH=8 SWAP=/tmp/zinf-gpu-swap CUDA_ARCH=native
+#   env: STEPS=6 MODEL=gpt2-124m SEQ=256 BATCH=8 CUDA_ARCH=native
+#        SWAP=/tmp (the NVMe file system: the run swaps in a directory of its own under it)
 set -uo pipefail
 BUILD=${1:-build-gpu}
 STEPS=${STEPS:-6}
 MODEL=${MODEL:-gpt2-124m}
 SEQ=${SEQ:-256}
 BATCH=${BATCH:-8}
-SWAP=${SWAP:-/tmp/zinf-gpu-swap}
+SWAP=${SWAP:-/tmp}
 CUDA_ARCH=${CUDA_ARCH:-native}
 OUT=$(mktemp -d)
-trap 'rm -rf "$OUT" "$SWAP"' EXIT
+mkdir -p "$SWAP"
+SWAP_DIR=$(mktemp -d "$SWAP/zinf-gpu-swap.XXXXXX")  # only this run's own directory is removed
+trap 'rm -rf "$OUT" "$SWAP_DIR"' EXIT
 nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.max,pcie.link.width.max \
   --format=csv,noheader >"$OUT/gpu.txt" 2>&1 || echo "nvidia-smi failed" >>"$OUT/gpu.txt"
 
@@ -35,16 +38,18 @@ if [ -d .gpudeps ] && ls .gpudeps/*.deb >/dev/null 2>&1; then
   for f in .gpudeps/*.deb; do dpkg -x "$f" "$DEPS"; done
   ARCHLIB=$(ls -d "$DEPS"/usr/lib/*-linux-gnu | head -1)
   export PATH="$DEPS/usr/bin:$PATH"
-  export PKG_CONFIG_PATH="$ARCHLIB/pkgconfig:$DEPS/usr/share/pkgconfig"
+  # openblas.pc sits under openblas-pthread/ (the alternatives link dpkg -x does not make).
+  export PKG_CONFIG_PATH="$ARCHLIB/pkgconfig:$ARCHLIB/openblas-pthread/pkgconfig:$DEPS/usr/share/pkgconfig"
   export PKG_CONFIG_SYSROOT_DIR="$DEPS"
   export LD_LIBRARY_PATH="$ARCHLIB:$ARCHLIB/openblas-pthread:${LD_LIBRARY_PATH:-}"
-  EXTRA=(-DCMAKE_PREFIX_PATH="$DEPS/usr" -DZINF_MPI=OFF -DZINF_GLOO=OFF
-         -DCMAKE_CXX_FLAGS="-isystem $DEPS/usr/include")
+  EXTRA=(-DCMAKE_PREFIX_PATH="$DEPS/usr" -DZINF_MPI=OFF -DZINF_GLOO=OFF -DZINF_BENCH=OFF
+         -DCMAKE_CXX_FLAGS="-isystem $DEPS/usr/include"
+         -DCMAKE_CUDA_FLAGS="-isystem $DEPS/usr/include")
 fi
 
 T0=$(date +%s)
 { cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DZINF_CUDA=ON \
-    -DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCH" "${EXTRA[@]}" &&
+    -DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCH" ${EXTRA[@]+"${EXTRA[@]}"} &&
   cmake --build "$BUILD" -j "$(nproc)" --target zinf gpu_smoke_test cuda_device_test \
     gpt_layers_gpu_test; } >"$OUT/build.log" 2>&1
 BUILD_RC=$?
@@ -57,9 +62,8 @@ ZINF="$BUILD/cli/zinf"
 DEVICE_RC=$?
 "$ZINF" bench adam --device cuda --params 256M --steps 9 --json >"$OUT/adam.json" 2>"$OUT/adam.err"
 ADAM_RC=$?
-mkdir -p "$SWAP"
 "$ZINF" train --device cuda --model "$MODEL" --seq "$SEQ" --batch "$BATCH" --steps "$STEPS" \
-  --stage 3 --offload-param nvme --offload-optimizer nvme --nvme-path "$SWAP" \
+  --stage 3 --offload-param nvme --offload-optimizer nvme --nvme-path "$SWAP_DIR" \
   --log-json "$OUT/train.jsonl" >"$OUT/train.log" 2>&1
 TRAIN_RC=$?
 T2=$(date +%s)
@@ -78,9 +82,16 @@ def json_or_error(name, err):
         return json.loads(text)
     except ValueError:
         return {"error": read(err).strip() or text}
-kernels = [json.loads(l) for l in read("kernels.jsonl").splitlines() if l.strip()]
-steps = [j for j in (json.loads(l) for l in read("train.jsonl").splitlines() if l.strip())
-         if "step" in j and "loss" in j]
+def json_lines(name):  # a line cut short by a crash is skipped, not fatal
+    rows = []
+    for line in read(name).splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            pass
+    return rows
+kernels = json_lines("kernels.jsonl")
+steps = [j for j in json_lines("train.jsonl") if "step" in j and "loss" in j]
 # Model FLOPs per trained token: 6 N (forward and backward of every weight) + 12 L T D (the
 # attention's two products per layer, forward and backward), from the banner's shape.
 banner = re.search(r"L=(\d+) D=(\d+) H=\d+ T=\d+ V=(\d+)", read("train.log"))
@@ -90,8 +101,8 @@ if banner:
     n = 12 * L * D * D + 13 * L * D + V * D + seq * D + 2 * D
     flops_per_token = 6 * n + 12 * L * seq * D
 timed = steps[1:] if len(steps) > 1 else steps  # the first step records the schedule
-step_s = statistics.median(s["seconds"] for s in timed) if timed else None
-tok_s = statistics.median(s["tokens_per_s"] for s in timed) if timed else None
+step_s = statistics.median(s.get("seconds", 0) for s in timed) if timed else None
+tok_s = statistics.median(s.get("tokens_per_s", 0) for s in timed) if timed else None
 device = json_or_error("device.json", "device.err")
 # The link's peak from nvidia-smi's "name, memory, pcie gen max, pcie width max": PCIe 3-6 at
 # 8/16/32/64 GT/s per lane, 128b/130b encoding (PCIe 6's FLIT encoding is close enough here).
@@ -111,10 +122,10 @@ summary = {
                "device_to_host_bytes_per_s", "device_copy_bytes_per_s")} if "error" not in device
               else device,
     "pcie_peak_bytes_per_s": link_peak,
-    "host_to_device_over_peak": device["host_to_device_bytes_per_s"] / link_peak
-                                if link_peak and "error" not in device else None,
-    "device_to_host_over_peak": device["device_to_host_bytes_per_s"] / link_peak
-                                if link_peak and "error" not in device else None,
+    "host_to_device_over_peak": (device.get("host_to_device_bytes_per_s") or 0) / link_peak
+                                if link_peak else None,
+    "device_to_host_over_peak": (device.get("device_to_host_bytes_per_s") or 0) / link_peak
+                                if link_peak else None,
     "adam": json_or_error("adam.json", "adam.err"),
     "train_rc": int(train_rc),
     "train_steps": len(steps),

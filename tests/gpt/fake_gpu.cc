@@ -14,25 +14,30 @@
 
 namespace zinf::gpt::cuda {
 
-namespace {
-std::atomic<int64_t> layers_run{0};  // layer calls, for tests that check this path ran
-void ran() { layers_run.fetch_add(1, std::memory_order_relaxed); }
-}  // namespace
-
-int64_t fake_gpu_layers_run() { return layers_run.load(); }
-
 struct Gpu::Impl {
   DType matmul_inputs = DType::kF32;
   std::vector<void*> live;
 };
 
+namespace {
+std::atomic<int64_t> layers_run{0};      // layer calls, for tests that check this path ran
+std::atomic<int64_t> products_16bit{0};  // matmuls asked for with bf16/fp16 inputs
+void ran() { layers_run.fetch_add(1, std::memory_order_relaxed); }
+void count_product(const Gpu::Impl& g) {
+  if (g.matmul_inputs != DType::kF32) products_16bit.fetch_add(1, std::memory_order_relaxed);
+}
+}  // namespace
+
+int64_t fake_gpu_layers_run() { return layers_run.load(); }
+// The stand-in computes every product in fp32 (the rounding is the CUDA layers' and tests/gpu's);
+// it counts the ones the trainer asked for in 16 bits.
+int64_t fake_gpu_16bit_products() { return products_16bit.load(); }
+
 int device_count() { return 1; }
 
-std::unique_ptr<Gpu> Gpu::create(int ordinal, std::string* error) {
-  if (ordinal != 0) {
-    *error = "the host stand-in has one GPU";
-    return nullptr;
-  }
+// Any ordinal: the trainer picks one per rank from the real GPU count, which a CUDA build on a
+// machine with GPUs sees.
+std::unique_ptr<Gpu> Gpu::create(int, std::string*) {
   return std::unique_ptr<Gpu>(new Gpu(std::make_unique<Impl>()));
 }
 
@@ -77,14 +82,16 @@ void layernorm_backward(Gpu&, const float* dy, const float* x, const float* w, c
   ran();
   gpt::layernorm_backward(dy, x, w, mean, rstd, rows, dim, dx, dw, db);
 }
-void matmul_forward(Gpu&, const float* x, const float* w, const float* b, int64_t rows, int in,
+void matmul_forward(Gpu& g, const float* x, const float* w, const float* b, int64_t rows, int in,
                     int out, float* y) {
   ran();
+  count_product(g.impl());
   gpt::matmul_forward(x, w, b, rows, in, out, y);
 }
-void matmul_backward(Gpu&, const float* dy, const float* x, const float* w, int64_t rows, int in,
+void matmul_backward(Gpu& g, const float* dy, const float* x, const float* w, int64_t rows, int in,
                      int out, float* dx, float* dw, float* db) {
   ran();
+  count_product(g.impl());
   gpt::matmul_backward(dy, x, w, rows, in, out, dx, dw, db);
 }
 void gelu_forward(Gpu&, const float* x, int64_t n, float* y) {

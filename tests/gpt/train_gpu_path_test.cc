@@ -17,7 +17,8 @@ namespace zinf::gpt {
 extern std::atomic<bool> g_test_gpu_model;
 namespace cuda {
 int64_t fake_gpu_layers_run();
-}
+int64_t fake_gpu_16bit_products();
+}  // namespace cuda
 namespace {
 
 std::string file_bytes(const std::string& path) {
@@ -62,10 +63,13 @@ TEST(TrainGpuPath, ExportsTheCpuPathsWeightsInEveryStageAndOffloadMode) {
       ASSERT_EQ(cuda::fake_gpu_layers_run(), before) << what << ": the CPU path ran GPU layers";
       o.export_path = dir.file("gpu.safetensors");
       g_test_gpu_model = true;
+      const int64_t products_16bit = cuda::fake_gpu_16bit_products();
       auto gpu = train(o);
       g_test_gpu_model = false;
       ASSERT_TRUE(gpu.is_ok()) << what << ": " << gpu.status().to_string();
       EXPECT_GT(cuda::fake_gpu_layers_run(), before) << what << ": the GPU path did not run";
+      // A bf16 run asks the GPU for its products in bf16 (tensor cores); fp32 in fp32.
+      EXPECT_EQ(cuda::fake_gpu_16bit_products() > products_16bit, dtype != DType::kF32) << what;
       EXPECT_EQ(file_bytes(dir.file("gpu.safetensors")), file_bytes(dir.file("cpu.safetensors")))
           << what;
       ASSERT_EQ(gpu->steps.size(), cpu->steps.size());

@@ -370,13 +370,19 @@ TEST_F(GptLayersOnGpu, ModelMatchesTheCpuModel) {
     // 1e-3 of each element, or 1e-5 absolute for elements near zero.
     const auto got = down(grads_d[u], cpu.grads(u).size());
     expect_close(got, cpu.grads(u), 1e-5, 1e-3, unit_name(cfg, u).c_str());
-    // And each tensor as a whole (the query, key and value thirds of qkv_w apart): relative L2
-    // error within 1e-4, so a wrong small gradient cannot hide under the absolute bound.
+    // And each tensor as a whole (the query, key and value thirds of qkv apart): L2 error within
+    // 1e-4 of the part's norm plus 1e-5 of the whole tensor's, so a wrong small gradient cannot
+    // hide under the absolute bound. (The key bias's true gradient is exactly zero, each row of
+    // dS summing to zero: both sides are rounding noise there, which the second term covers.)
     int64_t offset = 0;
     for (const ParamSpec& spec : unit_params(unit_kind(cfg, u), cfg)) {
       const bool qkv = spec.name == "qkv_w" || spec.name == "qkv_b";
       const int parts = qkv ? 3 : 1;
       const int64_t part = spec.numel() / parts;
+      double whole = 0;
+      for (int64_t i = offset; i < offset + spec.numel(); ++i) {
+        whole += static_cast<double>(cpu.grads(u)[i]) * cpu.grads(u)[i];
+      }
       for (int k = 0; k < parts; ++k) {
         double diff = 0, ref = 0;
         for (int64_t i = offset + k * part; i < offset + (k + 1) * part; ++i) {
@@ -384,7 +390,7 @@ TEST_F(GptLayersOnGpu, ModelMatchesTheCpuModel) {
           diff += d * d;
           ref += static_cast<double>(cpu.grads(u)[i]) * cpu.grads(u)[i];
         }
-        EXPECT_LE(std::sqrt(diff), 1e-4 * std::sqrt(ref) + 1e-12)
+        EXPECT_LE(std::sqrt(diff), 1e-4 * std::sqrt(ref) + 1e-5 * std::sqrt(whole) + 1e-12)
             << unit_name(cfg, u) << "." << spec.name << " part " << k << " of " << parts;
       }
       offset += spec.numel();

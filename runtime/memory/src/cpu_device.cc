@@ -433,12 +433,18 @@ Result<DeviceKind> resolve_device_kind(DeviceKind kind) {
 int cuda_ordinal(int requested) {
   if (requested >= 0) return requested;
   const int gpus = cuda_device_count();
-  const char* local = std::getenv("LOCAL_RANK");
-  if (gpus <= 0 || local == nullptr) return 0;
-  char* end = nullptr;
-  const long r = std::strtol(local, &end, 10);
-  if (end == local || *end != '\0' || r < 0) return 0;
-  return static_cast<int>(r % gpus);
+  if (gpus <= 0) return 0;
+  // The local rank as the launchers give it (comm/env reads the same variables): torchrun,
+  // Open MPI, Slurm.
+  for (const char* name : {"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"}) {
+    const char* local = std::getenv(name);
+    if (local == nullptr || *local == '\0') continue;
+    char* end = nullptr;
+    const long r = std::strtol(local, &end, 10);
+    if (end == local || *end != '\0' || r < 0) return 0;
+    return static_cast<int>(r % gpus);
+  }
+  return 0;
 }
 
 #ifndef ZINF_HAVE_CUDA

@@ -258,8 +258,9 @@ struct DeviceOptions {
   int ordinal = -1;  // CUDA: the GPU; -1 = cuda_ordinal(-1)
 };
 Result<std::unique_ptr<Device>> make_device(DeviceKind kind, const DeviceOptions& options);
-// The GPU a rank uses: `requested` when >= 0, else $LOCAL_RANK (torchrun, and set by the other
-// launchers' variables through comm/env) modulo the visible GPUs, else 0. One GPU per local rank.
+// The GPU a rank uses: `requested` when >= 0, else the launcher's local rank ($LOCAL_RANK,
+// $OMPI_COMM_WORLD_LOCAL_RANK or $SLURM_LOCALID, as comm/env reads them) modulo the visible GPUs,
+// else 0. One GPU per local rank, the same one NCCL takes.
 int cuda_ordinal(int requested);
 // The CUDA device (GPU options.ordinal): memory from cudaMallocManaged under the budget (host-side
 // communicators reach it through comm windows), streams and events on cudaStream_t, operations
