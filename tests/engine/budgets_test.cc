@@ -67,8 +67,9 @@ TEST(Budgets, WithoutOffloadTheDeviceTakesHalfOfWhatIsAvailable) {
   EXPECT_EQ(b.host_bytes, 23 * GiB / 4 / 2);
 }
 
-// On a GPU the device budget is the GPU's own free memory (9/10 of it, split between the ranks
-// that share the GPU), not a share of the host's RAM; the host budget is unchanged.
+// On a GPU the device budget is the GPU's own free memory (3/4 of it, split between the ranks
+// that share the GPU: the model's activations live beside it), not a share of the host's RAM;
+// the host budget is unchanged.
 TEST(Budgets, OnAGpuTheDeviceTakesTheGpusFreeMemory) {
   EngineSettings s;
   const StateSizes z{
@@ -77,7 +78,7 @@ TEST(Budgets, OnAGpuTheDeviceTakesTheGpusFreeMemory) {
   gpu_box.device_free_bytes = 80 * GiB;
   gpu_box.ranks_per_device = 2;
   const Budgets b = choose_budgets(s, z, gpu_box, 4);
-  EXPECT_EQ(b.device_bytes, 80 * GiB / 10 * 9 / 2);
+  EXPECT_EQ(b.device_bytes, 80 * GiB / 4 * 3 / 2);
   EXPECT_NE(b.device_reason.find("GPU's free memory over the 2 rank(s)"), std::string::npos)
       << b.device_reason;
   EXPECT_EQ(b.host_bytes, 23 * GiB / 4 / 4);

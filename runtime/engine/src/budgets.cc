@@ -111,13 +111,15 @@ Budgets choose_budgets(const EngineSettings& s, const StateSizes& z, const Machi
   const uint64_t wsize = dtype_size(s.dtype);
   Budgets b;
 
-  // Device: a GPU's own free memory; the CPU device's memory is this machine's RAM.
+  // Device: a GPU's own free memory (three quarters: the model's activations and the math
+  // libraries' workspaces live beside the engine's state); the CPU device's memory is this
+  // machine's RAM.
   const bool gpu = machine.device_free_bytes > 0;
   if (s.device_mem > 0) {
     b.device_bytes = s.device_mem;
     b.device_reason = "set";
   } else {
-    const uint64_t share = gpu ? machine.device_free_bytes / 10 * 9 /
+    const uint64_t share = gpu ? machine.device_free_bytes / 4 * 3 /
                                      static_cast<uint64_t>(std::max(machine.ranks_per_device, 1))
                                : machine.available_bytes / (z.nvme ? 8 : 2) / ranks;
     // A step's working set beyond the homed state: at least the unit being worked on; at most,
@@ -143,7 +145,7 @@ Budgets choose_budgets(const EngineSettings& s, const StateSizes& z, const Machi
           mib(z.device_home_bytes));
     } else if (gpu) {
       b.device_bytes = share;
-      b.device_reason = fmt::format("9/10 of the GPU's free memory over the {} rank(s) sharing it",
+      b.device_reason = fmt::format("3/4 of the GPU's free memory over the {} rank(s) sharing it",
                                     std::max(machine.ranks_per_device, 1));
     } else {
       b.device_bytes = share;
