@@ -16,6 +16,7 @@
 #   bash bench/gpu_check.sh [BUILD_DIR]
 #   env: STEPS=6 MODEL=gpt2-124m SEQ=256 BATCH=8 CUDA_ARCH=native
 #        SWAP=/tmp (the NVMe file system: the run swaps in a directory of its own under it)
+#        LIMIT=540 (seconds for the whole run; each phase stops at its own limit or this one)
 #        KEEP=DIR (also leave the logs there, as gpu_check_logs.tar.gz, and the summary)
 set -uo pipefail
 BUILD=${1:-build-gpu}
@@ -26,6 +27,12 @@ BATCH=${BATCH:-8}
 SWAP=${SWAP:-/tmp}
 CUDA_ARCH=${CUDA_ARCH:-native}
 KEEP=${KEEP:-}
+LIMIT=${LIMIT:-540}  # seconds for the whole run: each phase gets at most what is left of it
+START=$(date +%s)
+cap() {  # cap SECONDS: SECONDS, or what is left of LIMIT when that is less (5 at least)
+  local left=$((START + LIMIT - $(date +%s)))
+  if ((left < $1)); then echo $((left > 5 ? left : 5)); else echo "$1"; fi
+}
 WORK=$(mktemp -d)
 mkdir -p "$SWAP"
 SWAP_DIR=$(mktemp -d "$SWAP/zinf-gpu-swap.XXXXXX")  # only this run's own directory is removed
@@ -93,27 +100,27 @@ T0=$(date +%s)
 say "building ${TARGETS[*]}"
 { cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DZINF_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES="$CUDA_ARCH" ${EXTRA[@]+"${EXTRA[@]}"} &&
-  timeout 420 cmake --build "$BUILD" -j "$(nproc)" --target "${TARGETS[@]}"; } \
+  timeout "$(cap 420)" cmake --build "$BUILD" -j "$(nproc)" --target "${TARGETS[@]}"; } \
   >"$WORK/build.log" 2>&1
 BUILD_RC=$?
 T1=$(date +%s)
 say "build rc=$BUILD_RC; gpu tests"
-ZINF_GPU_REPORT="$WORK/kernels.jsonl" ctest --test-dir "$BUILD" -L gpu --output-on-failure \
+ZINF_GPU_REPORT="$WORK/kernels.jsonl" timeout "$(cap 240)" ctest --test-dir "$BUILD" -L gpu --output-on-failure \
   --timeout 120 >"$WORK/gpu_tests.log" 2>&1
 GPU_TESTS_RC=$?
 ZINF="$BUILD/cli/zinf"
 say "gpu tests rc=$GPU_TESTS_RC; bench device"
-timeout 60 "$ZINF" bench device --device cuda --size 1G --runs 7 --json >"$WORK/device.json" \
+timeout "$(cap 60)" "$ZINF" bench device --device cuda --size 1G --runs 7 --json >"$WORK/device.json" \
   2>"$WORK/device.err"
 DEVICE_RC=$?
 say "bench device rc=$DEVICE_RC; bench adam"
-timeout 60 "$ZINF" bench adam --device cuda --params 256M --steps 9 --json >"$WORK/adam.json" \
+timeout "$(cap 60)" "$ZINF" bench adam --device cuda --params 256M --steps 9 --json >"$WORK/adam.json" \
   2>"$WORK/adam.err"
 ADAM_RC=$?
 train() {  # train DTYPE STEPS: the GPT on the GPU, stage 3, parameters and optimizer on NVMe
   say "train $1"
   rm -rf "${SWAP_DIR:?}"/*
-  timeout 120 "$ZINF" train --device cuda --dtype "$1" --model "$MODEL" --seq "$SEQ" \
+  timeout "$(cap 120)" "$ZINF" train --device cuda --dtype "$1" --model "$MODEL" --seq "$SEQ" \
     --batch "$BATCH" --steps "$2" --stage 3 --offload-param nvme --offload-optimizer nvme \
     --nvme-path "$SWAP_DIR" --log-json "$WORK/train_$1.jsonl" >"$WORK/train_$1.log" 2>&1
 }
