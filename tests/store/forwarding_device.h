@@ -47,6 +47,9 @@ class ForwardingDevice : public Device {
   CommWindow comm_window(const void* data, uint64_t bytes) override {
     return inner_->comm_window(data, bytes);
   }
+  std::optional<CommWindow> host_window(void* data, uint64_t bytes) override {
+    return inner_->host_window(data, bytes);
+  }
   uint64_t budget_bytes() const override { return inner_->budget_bytes(); }
   uint64_t bytes_in_use() const override { return inner_->bytes_in_use(); }
   Ledger* ledger() const override { return inner_->ledger(); }

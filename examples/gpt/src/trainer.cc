@@ -161,10 +161,14 @@ struct GatherFailed {
 // through the device's operations (UnitScope::params_to_host/_device, grads_from_host/_device).
 //
 // The copies come from a small pool of buffers kept for the whole run (a few units' worth: the
-// open units' parameters and gradients), so that a step allocates nothing.
+// open units' parameters and gradients), so that a step allocates nothing. Where the device's
+// memory is host memory and the parameters are fp32 (the CPU device), the CPU model needs no
+// copies: it computes on the gathered parameters and writes the gradient buffer in place
+// (UnitScope::params_in_place, grads_in_place), so a rank holds no second copy of its units.
 class HostBuffers {
  public:
   using Buffer = std::vector<float>;
+  static constexpr bool kInPlace = true;  // the CPU model may compute on device memory in place
 
   // A buffer of n elements: one given back earlier with that size (units of a kind are the same
   // size), or a new one. A larger one is not reused: a small unit would pin a large buffer.
@@ -199,6 +203,7 @@ class HostBuffers {
 class GpuBuffers {
  public:
   using Buffer = cuda::DeviceArray<float>;
+  static constexpr bool kInPlace = false;  // its kernels compute in its own buffers
 
   explicit GpuBuffers(cuda::Gpu& gpu) : gpu_(gpu) {}
   Buffer take(size_t n) {
@@ -271,15 +276,23 @@ class ScopeAdapter {
       if (!scope.is_ok()) throw GatherFailed{scope.status()};
       it = open_.emplace(unit, Open{.scope = std::move(scope).value()}).first;
       Open& o = it->second;
-      o.params = buffers_.take(o.scope.layout().numel);
-      check(buffers_.load_params(o.scope, o.params));
+      if constexpr (Buffers::kInPlace) o.params_in_place = value(o.scope.params_in_place());
+      if (o.params_in_place == nullptr) {
+        o.params = buffers_.take(o.scope.layout().numel);
+        check(buffers_.load_params(o.scope, o.params));
+      }
     }
-    return Buffers::data(it->second.params);
+    Open& o = it->second;
+    return o.params_in_place != nullptr ? o.params_in_place : Buffers::data(o.params);
   }
 
   float* grads(int unit) {
     if (!open_.count(unit)) params(unit);
     Open& o = open_.at(unit);
+    if (o.params_in_place != nullptr && o.grads_in_place == nullptr) {
+      o.grads_in_place = value(o.scope.grads_in_place());
+    }
+    if (o.grads_in_place != nullptr) return o.grads_in_place;
     if (Buffers::empty(o.grads)) {
       o.grads = buffers_.take(o.scope.layout().numel);
       check(buffers_.zero(o.grads));
@@ -300,12 +313,20 @@ class ScopeAdapter {
  private:
   struct Open {
     UnitScope scope;
+    // In place: the scope's own memory (the copies below stay empty).
+    const float* params_in_place = nullptr;
+    float* grads_in_place = nullptr;
     Buffer params;  // fp32 copy
     Buffer grads;   // fp32 sums; empty until the model asks for them
   };
 
   static void check(Status s) {
     if (!s.is_ok()) throw GatherFailed{std::move(s)};
+  }
+  template <typename T>
+  static T value(Result<T> r) {
+    if (!r.is_ok()) throw GatherFailed{r.status()};
+    return *r;
   }
 
   // Writes the unit's gradients (if any) to the device and ends its scope (which reduces them).
@@ -320,7 +341,9 @@ class ScopeAdapter {
 
   void close_others(int unit) {
     for (auto it = open_.begin(); it != open_.end();) {
-      bool keep = it->first == 0 && !Buffers::empty(it->second.grads) && unit != 0;
+      const Open& o = it->second;
+      const bool has_grads = o.grads_in_place != nullptr || !Buffers::empty(o.grads);
+      const bool keep = it->first == 0 && has_grads && unit != 0;
       if (it->first == unit || keep) {
         ++it;
         continue;

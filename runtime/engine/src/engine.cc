@@ -236,6 +236,8 @@ UnitScope& UnitScope::operator=(UnitScope&& o) noexcept {
     params_ = std::exchange(o.params_, nullptr);
     param_handle_ = std::move(o.param_handle_);
     grads_ = std::move(o.grads_);
+    params_window_ = std::exchange(o.params_window_, std::nullopt);
+    grads_window_ = std::exchange(o.grads_window_, std::nullopt);
     opened_ = o.opened_;
   }
   return *this;
@@ -273,6 +275,45 @@ Status UnitScope::grads_from_host(std::span<const float> in) {
 
 Status UnitScope::grads_from_device(DeviceSpan<const float> in) {
   return grads_from_f32(in.data, in.size, "grads_from_device");
+}
+
+Result<const float*> UnitScope::params_in_place() {
+  if (engine_ == nullptr) {
+    return make_error(ErrorCode::kInvalidArgument, "params_in_place() of a scope that has ended");
+  }
+  if (engine_->settings_.dtype != DType::kF32) return nullptr;
+  if (!params_window_) {
+    // The gather's writes come before the stream's present point (Gatherer::begin_use).
+    ZINF_RETURN_IF_ERROR(
+        engine_detail::sync(engine_->stream())
+            .with_context("reading the parameters of unit " + engine_->unit_spec(unit_).name));
+    params_window_ = engine_->device().host_window(params_, layout().numel_padded * 4);
+    if (!params_window_) return nullptr;
+  }
+  return static_cast<const float*>(params_);
+}
+
+Result<float*> UnitScope::grads_in_place() {
+  if (engine_ == nullptr) {
+    return make_error(ErrorCode::kInvalidArgument, "grads_in_place() of a scope that has ended");
+  }
+  if (engine_->settings_.dtype != DType::kF32) return nullptr;
+  if (!grads_window_) {
+    if (!grads_) {
+      Result<TensorView> g = grads();
+      // A buffer that does not fit beside the open units' now is no error: the model sums in a
+      // copy and the buffer is taken at the scope's end, as without this window.
+      if (!g.is_ok() && g.status().code() == ErrorCode::kOutOfMemory) return nullptr;
+      ZINF_RETURN_IF_ERROR(g.status());
+    }
+    // The buffer's zeroing, enqueued by grads(), completes before the model writes.
+    ZINF_RETURN_IF_ERROR(
+        engine_detail::sync(engine_->stream())
+            .with_context("zeroing the gradients of unit " + engine_->unit_spec(unit_).name));
+    grads_window_ = engine_->device().host_window(grads_.data(), grads_.bytes());
+    if (!grads_window_) return nullptr;
+  }
+  return static_cast<float*>(grads_.data());
 }
 
 Status UnitScope::params_to_f32(void* out, uint64_t size, const char* caller) const {
@@ -387,6 +428,8 @@ Status Engine::end_scope(UnitScope& scope) {
   // The model's own operations on the scope's buffers (on stream()) finish before the gradients
   // are reduced and the gathered parameters are let go.
   Status ops = engine_detail::sync(*e.stream);
+  scope.params_window_.reset();  // the model is done with them
+  scope.grads_window_.reset();
   if (trace::enabled()) {
     trace::complete(e.track("compute"),
                     (scope.grads_ ? "backward " : "forward ") + e.units[scope.unit_].name,

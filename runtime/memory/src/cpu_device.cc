@@ -328,6 +328,12 @@ class CpuDevice final : public Device {
     return CommWindow([this, opened = std::move(opened)] { regions_.close(opened); });
   }
 
+  // The CPU device's memory is host memory: a host model computes on it in place, through the
+  // same window a collective gets (the strict variant opens the range while the window lives).
+  std::optional<CommWindow> host_window(void* data, uint64_t bytes) override {
+    return comm_window(data, bytes);
+  }
+
   uint64_t budget_bytes() const override { return options_.budget_bytes; }
   uint64_t bytes_in_use() const override {
     std::lock_guard lock(mu_);

@@ -227,6 +227,16 @@ class UnitScope {
   Status params_to_device(DeviceSpan<float> out) const;
   Status grads_from_device(DeviceSpan<const float> in);
 
+  // For a model that computes on the host, in place of the copies above where the device allows
+  // it: the working dtype is fp32 and the device's memory is host memory (Device::host_window;
+  // the CPU device). The unit's parameters (read only; layout().numel of them) and its gradient
+  // buffer (zero the first time it is asked for; the model writes the unit's gradients there),
+  // reachable by host code until the scope ends, with no copy. nullptr, not an error, where the
+  // device declines (CUDA) or the parameters are 16-bit, and from grads_in_place where the
+  // gradient buffer does not fit in the device budget yet: the model copies instead.
+  Result<const float*> params_in_place();
+  Result<float*> grads_in_place();
+
   // Ends the scope now and reports what failed (the destructor can only record it).
   Status finish();
 
@@ -239,6 +249,8 @@ class UnitScope {
   void* params_ = nullptr;     // device memory
   TensorHandle param_handle_;  // stages 0-2: the resident full parameters
   DeviceBuffer grads_;
+  // Open while the model reaches params_ / grads_ in place (params_in_place, grads_in_place).
+  std::optional<Device::CommWindow> params_window_, grads_window_;
   std::chrono::steady_clock::time_point opened_;  // for the trace
 };
 

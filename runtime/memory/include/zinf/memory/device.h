@@ -22,6 +22,9 @@
 //  - Communicators that run on the host (local threads, MPI) reach device memory only through a
 //    CommWindow: the range is reachable by the communicator while the window lives. A device
 //    whose collectives reach its memory natively (CUDA with NCCL) returns a no-op window.
+//  - The one other exception is a model that computes on the host over a device whose memory is
+//    host memory (the CPU device): host_window() lends it a range in place (no copies), and a
+//    device whose memory the host cannot reach (CUDA) declines.
 //
 // CpuDevice implements the contract without a GPU (memory mapped from the system under a budget,
 // each stream a thread, the operations calling the SIMD kernels of kernels/), so every tier
@@ -171,6 +174,18 @@ class Device {
     std::function<void()> close_;
   };
   virtual CommWindow comm_window(const void* data, uint64_t bytes) = 0;
+
+  // A model that computes on the host (the GPT's CPU model) reaches [data, data + bytes) of device
+  // memory in place while the returned window lives, on a device whose memory is host memory: the
+  // CPU device (its strict variant opens the range as for a CommWindow). Empty where host code
+  // cannot reach device memory (CUDA): the model copies through the operations instead. The
+  // caller opens the window only after the operations that write the range have completed (it
+  // synchronises their stream), and ends its own accesses before the window closes.
+  virtual std::optional<CommWindow> host_window(void* data, uint64_t bytes) {
+    (void)data;
+    (void)bytes;
+    return std::nullopt;
+  }
 
   // Host memory the engine's host tier hands to this device's operations (PinnedPool buffers) is
   // registered once when it is allocated and unregistered before it goes back to the system: CUDA
