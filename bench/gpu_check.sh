@@ -39,6 +39,7 @@ SWAP_DIR=$(mktemp -d "$SWAP/zinf-gpu-swap.XXXXXX")  # only this run's own direct
 keep_logs() {
   if [ -n "$KEEP" ]; then
     mkdir -p "$KEEP" && tar -czf "$KEEP/gpu_check_logs.tar.gz" -C "$WORK" . 2>/dev/null
+    cp "$WORK/summary.json" "$KEEP/" 2>/dev/null
   fi
   rm -rf "$WORK" "$SWAP_DIR"
 }
