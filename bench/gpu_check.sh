@@ -76,6 +76,15 @@ if [ -d .gpudeps ] && ls .gpudeps/*.deb >/dev/null 2>&1; then
          -DCMAKE_CUDA_FLAGS="-isystem $DEPS/usr/include")
 fi
 
+# The corpus: the fortunes files (those without an extension, as the trainer reads the directory),
+# from the carried package where the machine has none.
+DATA=()
+if [ ! -d /usr/share/games/fortunes ] && [ -d /tmp/zinf-gpudeps/usr/share/games/fortunes ]; then
+  find /tmp/zinf-gpudeps/usr/share/games/fortunes -maxdepth 1 -type f ! -name '*.*' -print0 |
+    sort -z | xargs -0 cat >"$WORK/corpus.txt"
+  DATA=(--data "$WORK/corpus.txt")
+fi
+
 # NCCL: the CUDA toolkit's, the system's, or the one a Python wheel (nvidia-nccl) ships, whose
 # library is only libnccl.so.2; without any, the build leaves the NCCL backend out.
 TARGETS=(zinf gpu_smoke_test cuda_device_test gpt_layers_gpu_test)
@@ -123,7 +132,7 @@ train() {  # train DTYPE STEPS: the GPT on the GPU, stage 3, parameters and opti
   rm -rf "${SWAP_DIR:?}"/*
   timeout "$(cap 120)" "$ZINF" train --device cuda --dtype "$1" --model "$MODEL" --seq "$SEQ" \
     --batch "$BATCH" --steps "$2" --stage 3 --offload-param nvme --offload-optimizer nvme \
-    --nvme-path "$SWAP_DIR" --log-json "$WORK/train_$1.jsonl" >"$WORK/train_$1.log" 2>&1
+    --nvme-path "$SWAP_DIR" ${DATA[@]+"${DATA[@]}"} --log-json "$WORK/train_$1.jsonl" >"$WORK/train_$1.log" 2>&1
 }
 train fp32 "$STEPS"
 TRAIN_RC=$?

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepares bench/gpu_check.sh for a GPU machine that cannot install packages (the `device` tool's
 # machines reach no network): downloads here, into .gpudeps/ (ignored by git), the Debian packages
-# zinf's CUDA build needs beyond CUDA, CMake and ninja, about 24 MB. Carry `.gpudeps` with the
+# zinf's CUDA build needs beyond CUDA, CMake and ninja, and the fortunes corpus the GPT trains on,
+# about 27 MB. Carry `.gpudeps` with the
 # run; gpu_check.sh unpacks them into a prefix of its own (dpkg -x, nothing installed) and builds
 # against it, without MPI and Gloo.
 #
@@ -11,7 +12,7 @@ cd "$(dirname "$0")/.."
 PKGS=(liburing-dev liburing2 libtbb-dev libtbb12 libtbbmalloc2 libtbbbind-2-5
       libopenblas-dev libopenblas-pthread-dev libopenblas0-pthread libopenblas0 libgfortran5
       libgtest-dev libgmock-dev nlohmann-json3-dev libcli11-dev libspdlog-dev libspdlog1.10
-      libfmt-dev libfmt9 libxxhash-dev libxxhash0 libboost1.74-dev pkgconf pkgconf-bin libpkgconf3)
+      libfmt-dev libfmt9 libxxhash-dev libxxhash0 libboost1.74-dev pkgconf pkgconf-bin libpkgconf3 fortunes fortunes-min)
 mkdir -p .gpudeps
 (cd .gpudeps && apt-get download "${PKGS[@]}")
 du -sh .gpudeps
