@@ -5,10 +5,12 @@
 #     GPT layer and the whole GpuModel against the CPU model element by element, the NCCL
 #     collective suite where NCCL is found; the measured error of each comparison goes to the
 #     summary (ZINF_GPU_REPORT);
-#  3. measures pinned host <-> device copies and the device copy (`zinf bench device`), and the
-#     CUDA Adam step against the device copy (`zinf bench adam --device cuda`);
+#  3. measures pinned host <-> device copies and the device copy (`zinf bench device`), PyTorch's
+#     pinned copies as their yardstick, and the CUDA Adam step against the device copy (`zinf
+#     bench adam --device cuda`);
 #  4. trains the GPT on the GPU (`--device cuda`: the engine's state and operations and the
-#     model's compute) at stage 3 with parameters and optimizer on NVMe, in fp32 and in bf16;
+#     model's compute) at stage 3 with parameters and optimizer on NVMe, in fp32 and in bf16,
+#     and in bf16 with everything in GPU memory (the compute rate without NVMe);
 # and prints one JSON object. Each phase has a time limit of its own, so a hang in one still
 # leaves the summary. Needs the project's packages (make deps, or bench/gpu_deps.sh's carried
 # copies) and nvcc; meant to finish in under 8 minutes on one H200.
@@ -127,24 +129,50 @@ say "bench device rc=$DEVICE_RC; bench adam"
 timeout "$(cap 60)" "$ZINF" bench adam --device cuda --params 256M --steps 9 --json >"$WORK/adam.json" \
   2>"$WORK/adam.err"
 ADAM_RC=$?
-train() {  # train DTYPE STEPS: the GPT on the GPU, stage 3, parameters and optimizer on NVMe
-  say "train $1"
+# The yardstick for the copies, measured in the same run: PyTorch's pinned (cudaHostAlloc) copies
+# of the same size, where the machine's python3 has torch.
+say "pinned copies through PyTorch (yardstick)"
+timeout "$(cap 60)" python3 - >"$WORK/torch_copy.json" 2>"$WORK/torch_copy.err" <<'PY'
+import json, statistics, time, torch
+n = 1 << 30
+host = torch.ones(n, dtype=torch.uint8).pin_memory()
+dev = torch.empty(n, dtype=torch.uint8, device="cuda")
+def timed(f):
+    torch.cuda.synchronize(); t0 = time.perf_counter(); f(); torch.cuda.synchronize()
+    return time.perf_counter() - t0
+timed(lambda: dev.copy_(host, non_blocking=True)); timed(lambda: host.copy_(dev, non_blocking=True))
+h2d, d2h = [], []
+for _ in range(7):  # alternating, medians, as zinf bench device
+    h2d.append(timed(lambda: dev.copy_(host, non_blocking=True)))
+    d2h.append(timed(lambda: host.copy_(dev, non_blocking=True)))
+print(json.dumps({"torch": torch.__version__, "bytes": n,
+                  "host_to_device_bytes_per_s": n / statistics.median(h2d),
+                  "device_to_host_bytes_per_s": n / statistics.median(d2h)}))
+PY
+train() {  # train NAME DTYPE ARGS...: the GPT on the GPU, stage 3
+  local name=$1 dtype=$2
+  shift 2
+  say "train $name"
   rm -rf "${SWAP_DIR:?}"/*
-  timeout "$(cap 120)" "$ZINF" train --device cuda --dtype "$1" --model "$MODEL" --seq "$SEQ" \
-    --batch "$BATCH" --steps "$2" --stage 3 --offload-param nvme --offload-optimizer nvme \
-    --nvme-path "$SWAP_DIR" ${DATA[@]+"${DATA[@]}"} --log-json "$WORK/train_$1.jsonl" >"$WORK/train_$1.log" 2>&1
+  timeout "$(cap 120)" "$ZINF" train --device cuda --dtype "$dtype" --model "$MODEL" --seq "$SEQ" \
+    --batch "$BATCH" --steps "$STEPS" --stage 3 ${DATA[@]+"${DATA[@]}"} "$@" \
+    --log-json "$WORK/train_$name.jsonl" >"$WORK/train_$name.log" 2>&1
 }
-train fp32 "$STEPS"
+NVME=(--offload-param nvme --offload-optimizer nvme --nvme-path "$SWAP_DIR")
+train fp32 fp32 "${NVME[@]}"
 TRAIN_RC=$?
-train bf16 "$STEPS"
+train bf16 bf16 "${NVME[@]}"
 TRAIN_BF16_RC=$?
-say "train rc fp32=$TRAIN_RC bf16=$TRAIN_BF16_RC"
+train bf16_gpu bf16  # everything in GPU memory: the compute rate without NVMe
+TRAIN_GPU_RC=$?
+say "train rc fp32=$TRAIN_RC bf16=$TRAIN_BF16_RC bf16_gpu=$TRAIN_GPU_RC"
 T2=$(date +%s)
 
 python3 - "$WORK" "$BUILD_RC" "$GPU_TESTS_RC" "$DEVICE_RC" "$ADAM_RC" "$TRAIN_RC" "$T0" "$T1" "$T2" \
-  "$SEQ" "$TRAIN_BF16_RC" <<'PY' | tee "$WORK/summary.json"
+  "$SEQ" "$TRAIN_BF16_RC" "$TRAIN_GPU_RC" <<'PY' | tee "$WORK/summary.json"
 import json, os, re, statistics, sys
-out, build_rc, tests_rc, device_rc, adam_rc, train_rc, t0, t1, t2, seq, bf16_rc = sys.argv[1:]
+(out, build_rc, tests_rc, device_rc, adam_rc, train_rc, t0, t1, t2, seq, bf16_rc,
+ gpu_rc) = sys.argv[1:]
 seq = int(seq)
 def read(name):
     p = os.path.join(out, name)
@@ -190,6 +218,10 @@ def training(dtype, rc):
         "tail": log.strip().splitlines()[-6:],
     }
 device = json_or_error("device.json", "device.err")
+torch_copies = json_or_error("torch_copy.json", "torch_copy.err")
+def over_torch(key):  # zinf's copy rate over PyTorch's, measured in this run
+    ours, theirs = device.get(key), torch_copies.get(key)
+    return ours / theirs if ours and theirs else None
 # The link's peak from nvidia-smi's "name, memory, pcie gen max, pcie width max": PCIe 3-6 at
 # 8/16/32/64 GT/s per lane, 128b/130b encoding (PCIe 6's FLIT encoding is close enough here).
 link_peak = None
@@ -213,9 +245,13 @@ summary = {
                                 if link_peak else None,
     "device_to_host_over_peak": (device.get("device_to_host_bytes_per_s") or 0) / link_peak
                                 if link_peak else None,
+    "torch_copies": torch_copies,
+    "host_to_device_over_torch": over_torch("host_to_device_bytes_per_s"),
+    "device_to_host_over_torch": over_torch("device_to_host_bytes_per_s"),
     "adam": json_or_error("adam.json", "adam.err"),
     "train_fp32": training("fp32", train_rc),
     "train_bf16": training("bf16", bf16_rc),
+    "train_bf16_in_gpu_memory": training("bf16_gpu", gpu_rc),
     "total_seconds": int(t2) - int(t0),
 }
 if int(build_rc):
