@@ -117,6 +117,53 @@ TEST(Engine, Bf16AndFp16AreBitIdenticalAcrossStages) {
   }
 }
 
+// A model computing on the host in the device's own memory (params_in_place, grads_in_place:
+// the GPT's CPU model) trains to the same bits as one that copies, at every stage, with
+// accumulation, clipping and overlapped reductions (and on the strict device under ctest's
+// second run, where any access outside the lent windows faults).
+TEST(Engine, InPlaceComputeTrainsToTheSameBitsAsCopies) {
+  for (int stage : {0, 1, 2, 3}) {
+    EngineSettings s = base(stage);
+    s.gradient_accumulation_steps = 2;
+    s.gradient_clipping = 0.05f;
+    s.overlap_comm = true;
+    RunResult copied = train_local(s, 2, 3, 3);
+    RunResult in_place = train_local(s, 2, 3, 3, {}, {}, /*in_place=*/true);
+    ASSERT_TRUE(copied.status.is_ok()) << copied.status.to_string();
+    ASSERT_TRUE(in_place.status.is_ok()) << in_place.status.to_string();
+    EXPECT_TRUE(same_bits(copied, in_place)) << "stage " << stage;
+  }
+}
+
+// The engine lends memory in place only where the model can use it as fp32 on the host: a CPU
+// device and fp32; 16-bit runs get nullptr (the model converts through the copies), and a scope
+// that has ended is an error.
+TEST(Engine, InPlaceIsLentForFp32OnTheCpuDeviceOnly) {
+  auto group = comm::make_local_group(1).value();
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16}) {
+    EngineSettings s = base(3);
+    s.dtype = dt;
+    auto engine = Engine::create(s, *group[0], testing::mlp_units({}), testing::mlp_init).value();
+    UnitScope scope = engine->gather(1).value();
+    auto params = scope.params_in_place();
+    auto grads = scope.grads_in_place();
+    ASSERT_TRUE(params.is_ok()) << params.status().to_string();
+    ASSERT_TRUE(grads.is_ok()) << grads.status().to_string();
+    EXPECT_EQ(*params != nullptr, dt == DType::kF32) << dtype_name(dt);
+    EXPECT_EQ(*grads != nullptr, dt == DType::kF32) << dtype_name(dt);
+    if (dt == DType::kF32) {
+      std::vector<float> copy(scope.layout().numel);
+      ASSERT_TRUE(scope.params_to_host(copy).is_ok());
+      EXPECT_EQ(std::memcmp(*params, copy.data(), copy.size() * 4), 0)
+          << "the lent parameters are the gathered ones";
+      for (uint64_t i = 0; i < scope.layout().numel; ++i) ASSERT_EQ((*grads)[i], 0.0f) << i;
+    }
+    ASSERT_TRUE(scope.finish().is_ok());
+    EXPECT_EQ(scope.params_in_place().status().code(), ErrorCode::kInvalidArgument);
+    EXPECT_EQ(scope.grads_in_place().status().code(), ErrorCode::kInvalidArgument);
+  }
+}
+
 // The device comes from the settings, or from $ZINF_DEVICE (how ctest runs every engine test a
 // second time on the strict device).
 TEST(Engine, DeviceComesFromTheSettingsOrTheEnvironment) {
@@ -523,7 +570,9 @@ TEST(Engine, NonFiniteStepsInARowStopTheRunNamingTheStep) {
     EXPECT_NE(st.message().find(fmt::format("optimizer step {}", steps_before)), std::string::npos)
         << st.message();
     EXPECT_TRUE(same_params(p, all_params(*e))) << "no skipped step changed the parameters";
-    if (c.dtype == DType::kF16) EXPECT_EQ(e->loss_scale(), 1.0f);
+    if (c.dtype == DType::kF16) {
+      EXPECT_EQ(e->loss_scale(), 1.0f);
+    }
   }
 }
 

@@ -46,10 +46,24 @@ inline void sample(uint64_t index, const MlpShape& shape, std::vector<float>& x,
   for (size_t i = 0; i < y.size(); ++i) y[i] = std::cos(0.21f * index * (i + 1));
 }
 
+// A unit's fp32 parameters: in the device's memory where asked for and lent, else copied into
+// `copy`.
+inline Result<const float*> unit_params(UnitScope& scope, bool in_place, std::vector<float>& copy) {
+  if (in_place) {
+    ZINF_ASSIGN_OR_RETURN(const float* p, scope.params_in_place());
+    if (p != nullptr) return p;
+  }
+  copy.resize(scope.layout().numel);
+  ZINF_RETURN_IF_ERROR(scope.params_to_host(copy));
+  return static_cast<const float*>(copy.data());
+}
+
 // One micro-step on `samples` (global sample indices) through the engine; returns the mean loss.
-// `loss_scale` multiplies the gradients (fp16 loss scaling).
+// `loss_scale` multiplies the gradients (fp16 loss scaling). `in_place`: read the parameters and
+// write the gradients in the device's memory where the engine lends it (params_in_place,
+// grads_in_place), as the GPT's CPU model does; the copies where it declines.
 inline Result<float> mlp_micro_step(Engine& engine, const MlpShape& shape,
-                                    const std::vector<uint64_t>& samples) {
+                                    const std::vector<uint64_t>& samples, bool in_place = false) {
   const size_t L = shape.dims.size() - 1;
   const float scale = engine.loss_scale();
   std::vector<std::vector<std::vector<float>>> acts(samples.size());  // [sample][layer] inputs
@@ -63,8 +77,8 @@ inline Result<float> mlp_micro_step(Engine& engine, const MlpShape& shape,
   for (size_t u = 0; u < L; ++u) {
     ZINF_ASSIGN_OR_RETURN(UnitScope scope, engine.gather(u));
     const int in = shape.dims[u], out = shape.dims[u + 1];
-    std::vector<float> p(scope.layout().numel);
-    ZINF_RETURN_IF_ERROR(scope.params_to_host(p));
+    std::vector<float> copy;
+    ZINF_ASSIGN_OR_RETURN(const float* p, unit_params(scope, in_place, copy));
     for (size_t s = 0; s < samples.size(); ++s) {
       std::vector<float> y(out);
       for (int o = 0; o < out; ++o) {
@@ -94,8 +108,8 @@ inline Result<float> mlp_micro_step(Engine& engine, const MlpShape& shape,
   for (size_t u = L; u-- > 0;) {
     ZINF_ASSIGN_OR_RETURN(UnitScope scope, engine.gather(u));
     const int in = shape.dims[u], out = shape.dims[u + 1];
-    std::vector<float> p(scope.layout().numel);
-    ZINF_RETURN_IF_ERROR(scope.params_to_host(p));
+    std::vector<float> copy;
+    ZINF_ASSIGN_OR_RETURN(const float* p, unit_params(scope, in_place, copy));
     // Gradients of this micro-batch in fp32 first, then written once in the working dtype (as a
     // real backward writes its result into the buffer).
     std::vector<float> gw(static_cast<size_t>(out) * in + out, 0.0f);
@@ -114,7 +128,15 @@ inline Result<float> mlp_micro_step(Engine& engine, const MlpShape& shape,
       }
       dy[s] = dx;
     }
-    ZINF_RETURN_IF_ERROR(scope.grads_from_host(gw));
+    float* g = nullptr;
+    if (in_place) {
+      ZINF_ASSIGN_OR_RETURN(g, scope.grads_in_place());
+    }
+    if (g != nullptr) {
+      for (size_t i = 0; i < gw.size(); ++i) g[i] += gw[i];  // onto the zeroed buffer
+    } else {
+      ZINF_RETURN_IF_ERROR(scope.grads_from_host(gw));
+    }
     ZINF_RETURN_IF_ERROR(scope.finish());
   }
   return static_cast<float>(loss / samples.size());
@@ -146,7 +168,8 @@ inline bool same_bits(const RunResult& a, const RunResult& b) {
 // gradient_accumulation_steps micro-steps of `micro` samples.
 inline RunResult train_local(EngineSettings settings, int world, int steps, int micro,
                              const MlpShape& shape = {},
-                             std::function<void(Engine&, int step)> before_step = {}) {
+                             std::function<void(Engine&, int step)> before_step = {},
+                             bool in_place = false) {
   RunResult out;
   auto group = comm::make_local_group(world).value();
   std::vector<Status> status(world);
@@ -171,7 +194,7 @@ inline RunResult train_local(EngineSettings settings, int world, int steps, int 
             // must fall); rank r takes its contiguous part.
             samples.push_back((static_cast<uint64_t>(r) * gas + m) * micro + i);
           }
-          auto loss = mlp_micro_step(**engine, shape, samples);
+          auto loss = mlp_micro_step(**engine, shape, samples, in_place);
           if (!loss.is_ok()) {
             status[r] = loss.status();
             return;

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "zinf/kernels/cpu_adam.h"
@@ -264,6 +265,30 @@ TEST(StrictCpuDevice, CommWindowOpensTheRangeUntilClosed) {
   device->copy_async(host.data(), b.data(), host.size(), *stream);
   ASSERT_TRUE(stream->synchronize().is_ok());
   EXPECT_EQ(host, std::vector<char>(8192, 7));
+  volatile const char* p = static_cast<const char*>(b.data());
+  EXPECT_DEATH({ (void)p[0]; }, "") << "the window closed: the memory is unreachable again";
+}
+
+// A model computing on the host reaches device memory through host_window: open while it lives
+// (on the strict device too), unreachable once it closes.
+TEST(StrictCpuDevice, HostWindowLendsTheRangeInPlaceUntilClosed) {
+  auto device = make_cpu_device({.budget_bytes = 1 << 20, .strict = true});
+  auto stream = device->create_stream("s");
+  DeviceBuffer b = device->allocate(8192, MemoryCategory::kBuffers).value();
+  device->fill({b.data(), DType::kF32, 2048}, 1.5f, *stream);
+  ASSERT_TRUE(stream->synchronize().is_ok());
+  {
+    std::optional<Device::CommWindow> w = device->host_window(b.data(), 8192);
+    ASSERT_TRUE(w.has_value()) << "the CPU device's memory is host memory";
+    auto* f = static_cast<float*>(b.data());
+    EXPECT_EQ(f[2047], 1.5f);  // the device's write, read in place
+    f[5] = -2.0f;              // the model's write, seen by the device below
+  }
+  std::vector<float> host(2048);
+  device->copy_async(host.data(), b.data(), 8192, *stream);
+  ASSERT_TRUE(stream->synchronize().is_ok());
+  EXPECT_EQ(host[5], -2.0f);
+  EXPECT_EQ(host[6], 1.5f);
   volatile const char* p = static_cast<const char*>(b.data());
   EXPECT_DEATH({ (void)p[0]; }, "") << "the window closed: the memory is unreachable again";
 }
