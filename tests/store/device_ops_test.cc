@@ -253,20 +253,59 @@ TEST(StrictCpuDeviceDeathTest, HostWriteOfDeviceMemoryFaults) {
   EXPECT_DEATH({ std::memset(b.data(), 1, 16); }, "");
 }
 
-TEST(StrictCpuDevice, CommWindowOpensTheRangeUntilClosed) {
+// A comm window on the strict device is a host copy, as on CUDA: what the collective reads is
+// copied in, what it writes is copied back on close(), and the device's memory stays unreachable
+// all along (a caller that used the device address would fault).
+TEST(StrictCpuDevice, CommWindowsAreStagedCopiesWrittenBackOnClose) {
   auto device = make_cpu_device({.budget_bytes = 1 << 20, .strict = true});
   auto stream = device->create_stream("s");
   DeviceBuffer b = device->allocate(8192, MemoryCategory::kBuffers).value();
-  {
-    Device::CommWindow w = device->comm_window(b.data(), 8192);
-    std::memset(b.data(), 7, 8192);  // what a host-side communicator does
-  }
-  std::vector<char> host(8192);
-  device->copy_async(host.data(), b.data(), host.size(), *stream);
+  device->fill({b.data(), DType::kF32, 2048}, 1.5f, *stream);
   ASSERT_TRUE(stream->synchronize().is_ok());
-  EXPECT_EQ(host, std::vector<char>(8192, 7));
-  volatile const char* p = static_cast<const char*>(b.data());
-  EXPECT_DEATH({ (void)p[0]; }, "") << "the window closed: the memory is unreachable again";
+  auto read_back = [&] {
+    std::vector<float> host(2048);
+    device->copy_async(host.data(), b.data(), 8192, *stream);
+    EXPECT_TRUE(stream->synchronize().is_ok());
+    return host;
+  };
+  {
+    Device::CommWindow in = device->comm_window(b.data(), 8192, Device::WindowAccess::kRead);
+    ASSERT_NE(in.data(), b.data());
+    auto* f = static_cast<float*>(in.data());
+    EXPECT_EQ(f[2047], 1.5f);  // copied in
+    f[0] = 9.0f;               // a read-only window is not written back
+    EXPECT_TRUE(in.close().is_ok());
+  }
+  EXPECT_EQ(read_back()[0], 1.5f);
+  {
+    Device::CommWindow out = device->comm_window(b.data(), 8192, Device::WindowAccess::kWrite);
+    auto* f = static_cast<float*>(out.data());
+    EXPECT_TRUE(std::isnan(f[3])) << "a write-only window starts as NaN, not as the range";
+    for (int i = 0; i < 2048; ++i) f[i] = static_cast<float>(i);
+    volatile const char* p = static_cast<const char*>(b.data());
+    EXPECT_DEATH({ (void)p[0]; }, "") << "the device's memory stays unreachable";
+    EXPECT_TRUE(out.close().is_ok());
+    EXPECT_EQ(out.data(), nullptr);
+  }
+  const auto written = read_back();
+  EXPECT_EQ(written[0], 0.0f);
+  EXPECT_EQ(written[2047], 2047.0f);
+  {
+    Device::CommWindow both = device->comm_window(b.data(), 8192, Device::WindowAccess::kReadWrite);
+    auto* f = static_cast<float*>(both.data());
+    EXPECT_EQ(f[7], 7.0f);
+    f[7] += 0.5f;
+  }  // closed by its destructor: written back too
+  EXPECT_EQ(read_back()[7], 7.5f);
+}
+
+// The plain device's memory is host memory: a comm window is the range itself.
+TEST(CpuDevice, CommWindowIsTheRangeItself) {
+  auto device = make_cpu_device({.budget_bytes = 1 << 20});
+  DeviceBuffer b = device->allocate(4096, MemoryCategory::kBuffers).value();
+  Device::CommWindow w = device->comm_window(b.data(), 4096, Device::WindowAccess::kReadWrite);
+  EXPECT_EQ(w.data(), b.data());
+  EXPECT_TRUE(w.close().is_ok());
 }
 
 // A model computing on the host reaches device memory through host_window: open while it lives

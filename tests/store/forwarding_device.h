@@ -44,8 +44,8 @@ class ForwardingDevice : public Device {
             const kernels::AdamTensors& tensors, Stream& stream) override {
     inner_->adam(config, args, tensors, stream);
   }
-  CommWindow comm_window(const void* data, uint64_t bytes) override {
-    return inner_->comm_window(data, bytes);
+  CommWindow comm_window(void* data, uint64_t bytes, WindowAccess access) override {
+    return inner_->comm_window(data, bytes, access);
   }
   std::optional<CommWindow> host_window(void* data, uint64_t bytes) override {
     return inner_->host_window(data, bytes);

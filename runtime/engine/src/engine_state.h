@@ -75,6 +75,18 @@ struct PieceState {
   bool owns_acc = true;   // false for a shared accumulator
 };
 
+// Closes each window (what the collectives wrote reaches the device) and empties the list; the
+// first failure.
+inline Status close_windows(std::vector<Device::CommWindow>& windows) {
+  Status first;
+  for (Device::CommWindow& w : windows) {
+    Status s = w.close();
+    if (first.is_ok() && !s.is_ok()) first = std::move(s);
+  }
+  windows.clear();
+  return first;
+}
+
 struct EngineState {
   EngineState(const EngineSettings& settings, comm::Communicator& c)
       : s(settings), comm(c), policy(StagePolicy::for_stage(settings.stage)) {}
@@ -117,7 +129,15 @@ struct EngineState {
   // Units are updated during the backward pass, as soon as their gradients are final
   // (OptimizerPipeline::updates_early(); fixed for the run).
   bool updates_early = false;
-  Status sticky;                // an error from a scope's destructor, reported by the next call
+  Status sticky;  // an error from a scope's destructor, reported by the next call
+
+  // A window through which the communicator reaches [data, data + bytes) of device memory
+  // (Device::comm_window): a host-side communicator works at the window's data(); NCCL reaches
+  // device memory itself and is given the range as it is.
+  Device::CommWindow comm_window(void* data, uint64_t bytes, Device::WindowAccess access) {
+    if (comm.backend() == comm::Backend::kNccl) return Device::CommWindow(data);
+    return device->comm_window(data, bytes, access);
+  }
   CommReport comm_now;          // counts since the last step
   ScheduleReport schedule_now;  // counts since the last step
 

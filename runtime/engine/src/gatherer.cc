@@ -76,9 +76,13 @@ Status Gatherer::start(size_t u) {
       e_.store->allocate_device(st.layout.numel_padded * wsize, MemoryCategory::kParameters,
                                 "gathered parameters of " + e_.units[u].name));
   st.gather_issued = trace::Clock::now();
-  st.gather_windows.push_back(e_.device->comm_window(shard.data(), st.layout.shard_numel * wsize));
-  st.gather_windows.push_back(e_.device->comm_window(full.data(), full.bytes()));
-  st.gather_work = e_.comm.all_gather(shard.data(), full.data(), st.layout.shard_numel, e_.s.dtype);
+  Device::CommWindow in =
+      e_.comm_window(shard.data(), st.layout.shard_numel * wsize, Device::WindowAccess::kRead);
+  Device::CommWindow out =
+      e_.comm_window(full.data(), st.layout.numel_padded * wsize, Device::WindowAccess::kWrite);
+  st.gather_work = e_.comm.all_gather(in.data(), out.data(), st.layout.shard_numel, e_.s.dtype);
+  st.gather_windows.push_back(std::move(in));
+  st.gather_windows.push_back(std::move(out));
   st.gather_in_flight = true;
   st.used_since_gather = false;
   st.gathering_shard = std::move(shard);
@@ -99,7 +103,8 @@ Status Gatherer::finish(size_t u, bool for_update) {
   }
   st.gather_in_flight = false;
   st.gather_work = comm::Work();
-  st.gather_windows.clear();
+  // The gathered parameters reach the device as the windows close.
+  if (Status closed = close_windows(st.gather_windows); ws.is_ok()) ws = std::move(closed);
   st.gathering_shard.release();
   if (for_update && ws.is_ok()) {
     // An optimisation only: when the host has no room, the update reads the shard as before.
@@ -161,10 +166,13 @@ Status Gatherer::share_updated_parameters() {
       first = h.status();
       break;
     }
-    auto* full = static_cast<char*>(h->data());
-    windows.push_back(e_.device->comm_window(full, st.layout.numel_padded * wsize));
+    // In place: the rank's own shard is inside the gathered tensor.
+    Device::CommWindow w =
+        e_.comm_window(h->data(), st.layout.numel_padded * wsize, Device::WindowAccess::kReadWrite);
+    auto* full = static_cast<char*>(w.data());
     works.push_back(e_.comm.all_gather(full + st.layout.shard_begin(e_.rank) * wsize, full,
                                        st.layout.shard_numel, e_.s.dtype));
+    windows.push_back(std::move(w));
     e_.comm_now.param_gather_elements += st.layout.numel_padded;
     h->mark_dirty();
     handles.push_back(std::move(h).value());
@@ -173,6 +181,7 @@ Status Gatherer::share_updated_parameters() {
     Status ws = w.wait();
     if (first.is_ok() && !ws.is_ok()) first = std::move(ws);
   }
+  if (Status closed = close_windows(windows); first.is_ok()) first = std::move(closed);
   return first;
 }
 

@@ -28,9 +28,20 @@ Status GradReducer::issue(size_t u, DeviceBuffer grads) {
                                            "reduced gradient shard of " + e_.units[u].name));
   }
   const uint64_t bucket = std::max<uint64_t>(e_.s.reduce_bucket_elements, 1);
-  auto* g = static_cast<char*>(p.grads.data());
-  p.windows.push_back(e_.device->comm_window(p.grads.data(), p.grads.bytes()));
-  if (p.shard) p.windows.push_back(e_.device->comm_window(p.shard.data(), p.shard.bytes()));
+  // The communicator works in its windows: the gradients (reduced in place at stage 0, read at
+  // stages 1-3) and the shard the reduce-scatter writes whole.
+  Device::CommWindow grads_window = e_.comm_window(
+      p.grads.data(), l.numel_padded * wsize,
+      e_.policy.owns_every_shard ? Device::WindowAccess::kReadWrite : Device::WindowAccess::kRead);
+  Device::CommWindow shard_window;
+  if (p.shard) {
+    shard_window =
+        e_.comm_window(p.shard.data(), l.shard_numel * wsize, Device::WindowAccess::kWrite);
+  }
+  auto* g = static_cast<char*>(grads_window.data());
+  auto* shard = static_cast<char*>(shard_window.data());
+  p.windows.push_back(std::move(grads_window));
+  p.windows.push_back(std::move(shard_window));
   for (uint64_t a = 0; a < l.numel_padded; a += bucket) {
     const uint64_t b = std::min(l.numel_padded, a + bucket);
     if (e_.policy.owns_every_shard) {
@@ -44,8 +55,7 @@ Status GradReducer::issue(size_t u, DeviceBuffer grads) {
         counts[r] = hi > lo ? hi - lo : 0;
       }
       const uint64_t mine = std::max(a, l.shard_begin(rank));
-      void* recv = static_cast<char*>(p.shard.data()) +
-                   (mine < l.shard_end(rank) ? mine - l.shard_begin(rank) : 0) * wsize;
+      void* recv = shard + (mine < l.shard_end(rank) ? mine - l.shard_begin(rank) : 0) * wsize;
       p.works.push_back(
           e_.comm.reduce_scatter_v(g + a * wsize, recv, counts, e_.s.dtype, comm::ReduceOp::kAvg));
       e_.comm_now.grad_reduce_elements += b - a;
@@ -79,11 +89,12 @@ Status GradReducer::finish_front() {
     Status ws = w.wait();
     if (first.is_ok() && !ws.is_ok()) first = std::move(ws);
   }
+  // The reduced gradients reach the device as the windows close.
+  if (Status closed = close_windows(p.windows); first.is_ok()) first = std::move(closed);
   if (!first.is_ok()) {
     return std::move(first).with_context(
         fmt::format("reducing the gradients of unit {}", e_.units[p.unit].name));
   }
-  p.windows.clear();
   UnitState& st = e_.unit_states[p.unit];
   // The first micro-step overwrites the (lazily zero) accumulators without fetching them; with a
   // full accumulator the bytes outside this rank's range are then unspecified, and never read.

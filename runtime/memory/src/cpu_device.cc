@@ -7,6 +7,7 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -18,6 +19,12 @@
 #include "zinf/memory/device.h"
 
 namespace zinf {
+
+void Device::CommWindow::reset() {
+  if (Status s = close(); !s.is_ok()) {
+    log::warn_once("device:window", "a comm window closed unchecked failed: " + s.to_string());
+  }
+}
 
 Event::Event() : state_(std::make_shared<State>()) { state_->done = true; }
 
@@ -318,20 +325,43 @@ class CpuDevice final : public Device {
         [=] { (void)kernels::adam_step(config, args, t, threads); });
   }
 
-  CommWindow comm_window(const void* data, uint64_t bytes) override {
-    if (!options_.strict) return CommWindow();
-    std::vector<uintptr_t> opened;
-    if (Status s = regions_.open({{data, bytes}}, opened); !s.is_ok()) {
-      // The collective will fault on the memory it cannot reach; say why first.
+  // The plain device's memory is host memory: the window is the range itself. The strict
+  // device hands the communicator a host copy, as CUDA does, while its own memory stays
+  // unreachable: a caller that used the device address, or declared the wrong access, fails
+  // there (what it reads is copied in; a write-only window starts as NaN bytes, so a
+  // collective that reads it shows; what it writes is copied back on close()).
+  CommWindow comm_window(void* data, uint64_t bytes, WindowAccess access) override {
+    if (!options_.strict || data == nullptr || bytes == 0) return CommWindow(data);
+    std::shared_ptr<char[]> copy(new char[bytes]);
+    if (access == WindowAccess::kWrite) {
+      std::memset(copy.get(), 0xff, bytes);
+    } else if (Status s = copy_range(copy.get(), data, bytes); !s.is_ok()) {
+      // The collective then reads NaN bytes: say why first.
       log::warn_once("cpu-strict:window", s.message());
+      std::memset(copy.get(), 0xff, bytes);
     }
-    return CommWindow([this, opened = std::move(opened)] { regions_.close(opened); });
+    if (access == WindowAccess::kRead) {
+      return CommWindow(copy.get(), [copy] { return Status::ok(); });
+    }
+    return CommWindow(copy.get(), [this, copy, data, bytes] {
+      return copy_range(data, copy.get(), bytes)
+          .with_context("strict device: writing a comm window back");
+    });
   }
 
-  // The CPU device's memory is host memory: a host model computes on it in place, through the
-  // same window a collective gets (the strict variant opens the range while the window lives).
+  // The CPU device's memory is host memory: a host model computes on it in place (the strict
+  // variant opens the range while the window lives).
   std::optional<CommWindow> host_window(void* data, uint64_t bytes) override {
-    return comm_window(data, bytes);
+    if (!options_.strict) return CommWindow(data);
+    std::vector<uintptr_t> opened;
+    if (Status s = regions_.open({{data, bytes}}, opened); !s.is_ok()) {
+      // The model will fault on the memory it cannot reach; say why first.
+      log::warn_once("cpu-strict:window", s.message());
+    }
+    return CommWindow(data, [this, opened = std::move(opened)] {
+      regions_.close(opened);
+      return Status::ok();
+    });
   }
 
   uint64_t budget_bytes() const override { return options_.budget_bytes; }
@@ -374,6 +404,15 @@ class CpuDevice final : public Device {
       regions_.close(opened);
       return s;
     });
+  }
+
+  // A host copy into or out of strict device memory (either side may be the device's).
+  Status copy_range(void* dst, const void* src, uint64_t bytes) {
+    std::vector<uintptr_t> opened;
+    Status s = regions_.open({{dst, bytes}, {src, bytes}}, opened);
+    if (s.is_ok()) std::memcpy(dst, src, bytes);
+    regions_.close(opened);
+    return s;
   }
 
   // Device memory is mapped, not malloc'd (as a GPU allocator maps its own): a block dropped

@@ -19,9 +19,16 @@
 //    Work reports a Status; the first failure on a stream is sticky: every event recorded after
 //    it reports it, and synchronize() returns (and clears) it.
 //  - An Event marks a point in a stream: ready(), wait() (blocks the host).
-//  - Communicators that run on the host (local threads, MPI) reach device memory only through a
-//    CommWindow: the range is reachable by the communicator while the window lives. A device
-//    whose collectives reach its memory natively (CUDA with NCCL) returns a no-op window.
+//  - Communicators that run on the host (local threads, MPI, Gloo) reach device memory only
+//    through a CommWindow: while it lives the communicator uses window.data() in place of the
+//    range: the range itself where the host reaches the device's memory (the CPU device), a host
+//    copy of it where it does not (CUDA; and the strict CPU device, which so proves in CI that
+//    callers use the window's address and declare how they use it). The caller opens a window
+//    after the operations that write the range have completed, closes it (close(), which reports
+//    a failed copy back) before operations use the range again, and says what the collective
+//    does with it (WindowAccess): what it reads is copied in as the window opens, what it writes
+//    is copied back as it closes. A communicator that reaches device memory natively (NCCL) is
+//    given the range itself, with no window.
 //  - The one other exception is a model that computes on the host over a device whose memory is
 //    host memory (the CPU device): host_window() lends it a range in place (no copies), and a
 //    device whose memory the host cannot reach (CUDA) declines.
@@ -29,7 +36,8 @@
 // CpuDevice implements the contract without a GPU (memory mapped from the system under a budget,
 // each stream a thread, the operations calling the SIMD kernels of kernels/), so every tier
 // path runs on CPU-only machines. Its strict variant maps its memory PROT_NONE except while an
-// operation (or a CommWindow) uses it. CudaDevice (the CUDA work) keeps the same contract.
+// operation (or a host_window) uses it, and gives comm windows staged copies as CUDA does.
+// CudaDevice (kernels/, docs/gpu.md) keeps the same contract.
 #pragma once
 
 #include <cstdint>
@@ -149,16 +157,27 @@ class Device {
   virtual void adam(const kernels::AdamConfig& config, const kernels::AdamStepArgs& args,
                     const kernels::AdamTensors& tensors, Stream& stream) = 0;
 
+  // What a host-side communicator does with a window's range.
+  enum class WindowAccess : uint8_t {
+    kRead,       // reads what the range held when the window opened (a collective's input)
+    kWrite,      // writes the whole range; what it held before is not read (an output)
+    kReadWrite,  // both (an in-place collective, or an output holding its own input)
+  };
+
   // A window through which a host-side communicator reaches [data, data + bytes) of device
-  // memory until the window is destroyed (see the contract above).
+  // memory at data() until the window closes (see the contract above).
   class CommWindow {
    public:
     CommWindow() = default;
-    explicit CommWindow(std::function<void()> close) : close_(std::move(close)) {}
-    CommWindow(CommWindow&& o) noexcept : close_(std::exchange(o.close_, nullptr)) {}
+    // A window at `data`: the range itself, or a host copy whose `close` writes it back.
+    explicit CommWindow(void* data, std::function<Status()> close = nullptr)
+        : data_(data), close_(std::move(close)) {}
+    CommWindow(CommWindow&& o) noexcept
+        : data_(std::exchange(o.data_, nullptr)), close_(std::exchange(o.close_, nullptr)) {}
     CommWindow& operator=(CommWindow&& o) noexcept {
       if (this != &o) {
         reset();
+        data_ = std::exchange(o.data_, nullptr);
         close_ = std::exchange(o.close_, nullptr);
       }
       return *this;
@@ -166,14 +185,25 @@ class Device {
     CommWindow(const CommWindow&) = delete;
     CommWindow& operator=(const CommWindow&) = delete;
     ~CommWindow() { reset(); }
-    void reset() {
-      if (close_) std::exchange(close_, nullptr)();
+
+    // Where the communicator reads and writes the range while the window is open.
+    void* data() const { return data_; }
+    // Ends the window: what the communicator wrote reaches the device's memory, or the failure
+    // says why it did not. Once only; later calls return ok.
+    Status close() {
+      data_ = nullptr;
+      if (!close_) return Status::ok();
+      return std::exchange(close_, nullptr)();
     }
+    // close() for a window whose result no longer matters (an abandoned operation): a failure
+    // is logged, not returned.
+    void reset();
 
    private:
-    std::function<void()> close_;
+    void* data_ = nullptr;
+    std::function<Status()> close_;
   };
-  virtual CommWindow comm_window(const void* data, uint64_t bytes) = 0;
+  virtual CommWindow comm_window(void* data, uint64_t bytes, WindowAccess access) = 0;
 
   // A model that computes on the host (the GPT's CPU model) reaches [data, data + bytes) of device
   // memory in place while the returned window lives, on a device whose memory is host memory: the
