@@ -207,9 +207,9 @@ class Device {
 
   // A model that computes on the host (the GPT's CPU model) reaches [data, data + bytes) of device
   // memory in place while the returned window lives, on a device whose memory is host memory: the
-  // CPU device (its strict variant opens the range as for a CommWindow). Empty where host code
-  // cannot reach device memory (CUDA): the model copies through the operations instead. The
-  // caller opens the window only after the operations that write the range have completed (it
+  // CPU device (its strict variant opens the range itself while the window lives). Empty where
+  // host code cannot reach device memory (CUDA): the model copies through the operations instead.
+  // The caller opens the window only after the operations that write the range have completed (it
   // synchronises their stream), and ends its own accesses before the window closes.
   virtual std::optional<CommWindow> host_window(void* data, uint64_t bytes) {
     (void)data;
