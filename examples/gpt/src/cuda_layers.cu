@@ -2,10 +2,13 @@
 // element functions shared with the CPU (layer_math.h) and the column sums give the CPU's bits.
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 
 #include <cmath>
 #include <limits>
+#include <mutex>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "zinf/gpt/cuda_layers.h"
@@ -15,9 +18,78 @@
 
 namespace zinf::gpt::cuda {
 
+namespace {
+
+// cuBLAS is loaded when it is first needed (a Gpu is made), not when the program starts: its
+// libraries (libcublas and libcublasLt, over 500 MB) cost about 210 MB of resident memory just
+// to load, which every zinf process would otherwise pay, CPU runs too. These are the functions
+// the layers call, resolved by their exported names (cublas_v2.h's macros give the _v2 ones) and
+// typed by the header's own declarations.
+#define ZINF_CUBLAS_NAME2(f) #f
+#define ZINF_CUBLAS_NAME(f) ZINF_CUBLAS_NAME2(f)
+struct Blas {
+  decltype(&cublasCreate) create = nullptr;
+  decltype(&cublasDestroy) destroy = nullptr;
+  decltype(&cublasSetStream) set_stream = nullptr;
+  decltype(&cublasSetMathMode) set_math_mode = nullptr;
+  decltype(&cublasSgemm) sgemm = nullptr;
+  decltype(&cublasSgemmStridedBatched) sgemm_strided_batched = nullptr;
+  // cublasGemmEx is overloaded in C++ (a wrapper taking a cudaDataType compute type): the
+  // library's own, chosen by its exact type (unevaluated: nothing is linked).
+  using GemmEx = cublasStatus_t (*)(cublasHandle_t, cublasOperation_t, cublasOperation_t, int, int,
+                                    int, const void*, const void*, cudaDataType, int, const void*,
+                                    cudaDataType, int, const void*, void*, cudaDataType, int,
+                                    cublasComputeType_t, cublasGemmAlgo_t);
+  decltype(static_cast<GemmEx>(&cublasGemmEx)) gemm_ex = nullptr;
+};
+
+// The loaded functions, or nullptr with `error` saying why (once per process; never unloaded).
+const Blas* load_blas(std::string* error) {
+  static std::once_flag once;
+  static Blas blas;
+  static std::string failure;
+  std::call_once(once, [] {
+    const std::string soname = "libcublas.so." + std::to_string(CUBLAS_VER_MAJOR);
+    void* lib = nullptr;
+    std::string tried;
+    // The toolkit's this build was made with, then the loader's search path.
+    for (const std::string& name : {std::string(ZINF_CUBLAS_DIR) + "/" + soname, soname}) {
+      lib = ::dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
+      if (lib != nullptr) break;
+      const char* why = ::dlerror();
+      tried += (tried.empty() ? "" : "; ") + std::string(why != nullptr ? why : name);
+    }
+    if (lib == nullptr) {
+      failure = "cuBLAS could not be loaded: " + tried;
+      return;
+    }
+    auto resolve = [&](auto& fn, const char* name) {
+      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(::dlsym(lib, name));
+      if (fn == nullptr && failure.empty()) failure = soname + " has no " + name;
+    };
+    resolve(blas.create, ZINF_CUBLAS_NAME(cublasCreate));
+    resolve(blas.destroy, ZINF_CUBLAS_NAME(cublasDestroy));
+    resolve(blas.set_stream, ZINF_CUBLAS_NAME(cublasSetStream));
+    resolve(blas.set_math_mode, ZINF_CUBLAS_NAME(cublasSetMathMode));
+    resolve(blas.sgemm, ZINF_CUBLAS_NAME(cublasSgemm));
+    resolve(blas.sgemm_strided_batched, ZINF_CUBLAS_NAME(cublasSgemmStridedBatched));
+    resolve(blas.gemm_ex, ZINF_CUBLAS_NAME(cublasGemmEx));
+  });
+  if (!failure.empty()) {
+    *error = failure;
+    return nullptr;
+  }
+  return &blas;
+}
+
+}  // namespace
+
+bool cublas_loads(std::string* error) { return load_blas(error) != nullptr; }
+
 struct Gpu::Impl {
   int ordinal = 0;
   cudaStream_t stream = nullptr;
+  const Blas* api = nullptr;  // cuBLAS, loaded on first use
   cublasHandle_t blas = nullptr;
   std::string error;
   // attention_backward's dP/dS for one sequence of the batch: [H, T, T].
@@ -330,20 +402,22 @@ std::unique_ptr<Gpu> Gpu::create(int ordinal, std::string* error) {
   }
   auto impl = std::make_unique<Impl>();
   impl->ordinal = ordinal;
+  impl->api = load_blas(error);
+  if (impl->api == nullptr) return nullptr;
   cudaError_t err = cudaSetDevice(ordinal);
   if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&impl->stream, cudaStreamNonBlocking);
   if (err != cudaSuccess) {
     *error = std::string("cudaStreamCreate: ") + cudaGetErrorString(err);
     return nullptr;
   }
-  cublasStatus_t st = cublasCreate(&impl->blas);
-  if (st == CUBLAS_STATUS_SUCCESS) st = cublasSetStream(impl->blas, impl->stream);
+  cublasStatus_t st = impl->api->create(&impl->blas);
+  if (st == CUBLAS_STATUS_SUCCESS) st = impl->api->set_stream(impl->blas, impl->stream);
   // Plain fp32 products: no TF32 (CUBLAS_DEFAULT_MATH; NVIDIA_TF32_OVERRIDE=1 could still force
   // it, which the layers' stated bounds do not cover).
-  if (st == CUBLAS_STATUS_SUCCESS) st = cublasSetMathMode(impl->blas, CUBLAS_DEFAULT_MATH);
+  if (st == CUBLAS_STATUS_SUCCESS) st = impl->api->set_math_mode(impl->blas, CUBLAS_DEFAULT_MATH);
   if (st != CUBLAS_STATUS_SUCCESS) {
     *error = "cublasCreate: cuBLAS status " + std::to_string(static_cast<int>(st));
-    if (impl->blas != nullptr) cublasDestroy(impl->blas);
+    if (impl->blas != nullptr) impl->api->destroy(impl->blas);
     cudaStreamDestroy(impl->stream);
     return nullptr;
   }
@@ -368,7 +442,7 @@ Gpu::~Gpu() {
     if (h != nullptr) cudaFreeAsync(h, impl_->stream);
   }
   cudaStreamSynchronize(impl_->stream);
-  cublasDestroy(impl_->blas);
+  impl_->api->destroy(impl_->blas);
   cudaStreamDestroy(impl_->stream);
 }
 
@@ -443,11 +517,11 @@ void run(Gpu::Impl& g, const GemmCall& c) {
   const auto lda = static_cast<int>(c.lda), ldb = static_cast<int>(c.ldb);
   const auto ldc = static_cast<int>(c.ldc);
   if (c.count == 1) {
-    g.ok(cublasSgemm(g.blas, op_a, op_b, m, n, k, &c.alpha, c.a, lda, c.b, ldb, &c.beta, c.c, ldc),
+    g.ok(g.api->sgemm(g.blas, op_a, op_b, m, n, k, &c.alpha, c.a, lda, c.b, ldb, &c.beta, c.c, ldc),
          "cublasSgemm");
   } else {
-    g.ok(cublasSgemmStridedBatched(g.blas, op_a, op_b, m, n, k, &c.alpha, c.a, lda, c.stride_a, c.b,
-                                   ldb, c.stride_b, &c.beta, c.c, ldc, c.stride_c, c.count),
+    g.ok(g.api->sgemm_strided_batched(g.blas, op_a, op_b, m, n, k, &c.alpha, c.a, lda, c.stride_a,
+                                      c.b, ldb, c.stride_b, &c.beta, c.c, ldc, c.stride_c, c.count),
          "cublasSgemmStridedBatched");
   }
 }
@@ -469,11 +543,11 @@ const float* rounded_copy(Gpu::Impl& g, int slot, const float* x, int64_t n) {
 void run16(Gpu::Impl& g, const GemmCall& c) {
   if (g.failed()) return;
   const cudaDataType_t in = g.matmul_inputs == DType::kBF16 ? CUDA_R_16BF : CUDA_R_16F;
-  g.ok(cublasGemmEx(g.blas, c.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
-                    c.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(c.m),
-                    static_cast<int>(c.n), static_cast<int>(c.k), &c.alpha, c.a, in,
-                    static_cast<int>(c.lda), c.b, in, static_cast<int>(c.ldb), &c.beta, c.c,
-                    CUDA_R_32F, static_cast<int>(c.ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+  g.ok(g.api->gemm_ex(g.blas, c.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N,
+                      c.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(c.m),
+                      static_cast<int>(c.n), static_cast<int>(c.k), &c.alpha, c.a, in,
+                      static_cast<int>(c.lda), c.b, in, static_cast<int>(c.ldb), &c.beta, c.c,
+                      CUDA_R_32F, static_cast<int>(c.ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
        "cublasGemmEx");
 }
 

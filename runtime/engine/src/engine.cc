@@ -409,6 +409,7 @@ Result<TensorView> Engine::scope_grads(UnitScope& scope) {
   const auto& l = e.unit_states[scope.unit_].layout;
   const std::string& name = e.units[scope.unit_].name;
   if (!scope.grads_) {
+    ZINF_RETURN_IF_ERROR(impl_->reducer.reap());
     ZINF_ASSIGN_OR_RETURN(
         DeviceBuffer g,
         e.store->allocate_device(l.numel_padded * dtype_size(e.s.dtype), MemoryCategory::kGradients,

@@ -6,14 +6,19 @@
 
 namespace zinf::engine_detail {
 
-Status GradReducer::issue(size_t u, DeviceBuffer grads) {
-  // Reductions that have completed meanwhile are accumulated (in order) and their buffers freed
-  // before this one allocates its shard: what stays in flight is only what is still moving.
+Status GradReducer::reap() {
   while (!pending_.empty() &&
          std::all_of(pending_.front().works.begin(), pending_.front().works.end(),
                      [](const comm::Work& w) { return w.ready(); })) {
     ZINF_RETURN_IF_ERROR(finish_front());
   }
+  return Status::ok();
+}
+
+Status GradReducer::issue(size_t u, DeviceBuffer grads) {
+  // Reductions that have completed meanwhile are accumulated (in order) and their buffers freed
+  // before this one allocates its shard: what stays in flight is only what is still moving.
+  ZINF_RETURN_IF_ERROR(reap());
   UnitState& st = e_.unit_states[u];
   const auto& l = st.layout;
   const uint64_t wsize = dtype_size(e_.s.dtype);

@@ -24,6 +24,9 @@ class GradReducer {
   GradReducer(EngineState& e, OptimizerPipeline& optimizer) : e_(e), optimizer_(optimizer) {}
 
   Status issue(size_t u, DeviceBuffer grads);
+  // Accumulates, in order, the reductions at the front that have completed, and frees their
+  // buffers (before a new gradient buffer is taken: in flight stays only what is still moving).
+  Status reap();
   // Completes every reduction in flight (accumulating each); the first failure.
   Status drain();
   // After a failure: waits for what is still in flight and drops it unaccumulated.

@@ -31,6 +31,11 @@ namespace zinf::gpt::cuda {
 // Usable CUDA devices; 0 without a GPU or a driver (never an error).
 int device_count();
 
+// Loads cuBLAS (once per process) and resolves the functions the layers call; false with *error
+// saying why. Gpu::create does this itself: cuBLAS is not loaded before a GPU model needs it,
+// since loading it costs about 210 MB of resident memory (libcublasLt), CPU runs included.
+bool cublas_loads(std::string* error);
+
 // A stream on one GPU, a cuBLAS handle bound to it, and scratch for the layers. Every call makes
 // the GPU current on the calling thread first.
 class Gpu {
