@@ -289,7 +289,9 @@ class ScopeAdapter {
   float* grads(int unit) {
     if (!open_.count(unit)) params(unit);
     Open& o = open_.at(unit);
-    if (o.params_in_place != nullptr && o.grads_in_place == nullptr) {
+    // In place once, when the model first asks; a scope that fell back to a copy keeps it (the
+    // copy is written over the buffer at the scope's end).
+    if (o.params_in_place != nullptr && o.grads_in_place == nullptr && Buffers::empty(o.grads)) {
       o.grads_in_place = value(o.scope.grads_in_place());
     }
     if (o.grads_in_place != nullptr) return o.grads_in_place;

@@ -300,11 +300,11 @@ Result<float*> UnitScope::grads_in_place() {
   if (engine_->settings_.dtype != DType::kF32) return nullptr;
   if (!grads_window_) {
     if (!grads_) {
-      Result<TensorView> g = grads();
       // A buffer that does not fit beside the open units' now is no error: the model sums in a
       // copy and the buffer is taken at the scope's end, as without this window.
-      if (!g.is_ok() && g.status().code() == ErrorCode::kOutOfMemory) return nullptr;
-      ZINF_RETURN_IF_ERROR(g.status());
+      Status taken = engine_->allocate_scope_grads(*this);
+      if (taken.code() == ErrorCode::kOutOfMemory) return nullptr;
+      ZINF_RETURN_IF_ERROR(taken);
     }
     // The buffer's zeroing, enqueued by grads(), completes before the model writes.
     ZINF_RETURN_IF_ERROR(
@@ -404,24 +404,26 @@ Result<UnitScope> Engine::gather(size_t unit) {
   return scope;
 }
 
+Status Engine::allocate_scope_grads(UnitScope& scope) {
+  engine_detail::EngineState& e = impl_->e;
+  if (scope.grads_) return Status::ok();
+  const auto& l = e.unit_states[scope.unit_].layout;
+  ZINF_ASSIGN_OR_RETURN(
+      DeviceBuffer g,
+      e.store->allocate_device(l.numel_padded * dtype_size(e.s.dtype), MemoryCategory::kGradients,
+                               "gradient buffer of " + e.units[scope.unit_].name));
+  // Zeroed on the engine's stream: the model's operations on it come after in stream order,
+  // and the scope's end waits for the stream (and reports a failure) before reducing.
+  e.device->fill({.data = g.data(), .dtype = DType::kF32, .numel = g.bytes() / 4}, 0.0f, *e.stream);
+  scope.grads_ = std::move(g);
+  return Status::ok();
+}
+
 Result<TensorView> Engine::scope_grads(UnitScope& scope) {
   engine_detail::EngineState& e = impl_->e;
-  const auto& l = e.unit_states[scope.unit_].layout;
-  const std::string& name = e.units[scope.unit_].name;
-  if (!scope.grads_) {
-    ZINF_RETURN_IF_ERROR(impl_->reducer.reap());
-    ZINF_ASSIGN_OR_RETURN(
-        DeviceBuffer g,
-        e.store->allocate_device(l.numel_padded * dtype_size(e.s.dtype), MemoryCategory::kGradients,
-                                 "gradient buffer of " + name));
-    // Zeroed on the engine's stream: the model's operations on it come after in stream order,
-    // and the scope's end waits for the stream (and reports a failure) before reducing.
-    e.device->fill({.data = g.data(), .dtype = DType::kF32, .numel = g.bytes() / 4}, 0.0f,
-                   *e.stream);
-    scope.grads_ = std::move(g);
-  }
-  return TensorView(scope.grads_.data(), e.s.dtype, l.numel_padded,
-                    "the gradients of unit " + name);
+  ZINF_RETURN_IF_ERROR(allocate_scope_grads(scope));
+  return TensorView(scope.grads_.data(), e.s.dtype, e.unit_states[scope.unit_].layout.numel_padded,
+                    "the gradients of unit " + e.units[scope.unit_].name);
 }
 
 Status Engine::end_scope(UnitScope& scope) {

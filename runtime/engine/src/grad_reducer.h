@@ -25,7 +25,9 @@ class GradReducer {
 
   Status issue(size_t u, DeviceBuffer grads);
   // Accumulates, in order, the reductions at the front that have completed, and frees their
-  // buffers (before a new gradient buffer is taken: in flight stays only what is still moving).
+  // buffers (at issue: in flight stays only what is still moving). Not called where the units
+  // being computed hold the device budget: an accumulation that cannot get its accumulator
+  // there would fail a reduction already taken off the queue.
   Status reap();
   // Completes every reduction in flight (accumulating each); the first failure.
   Status drain();

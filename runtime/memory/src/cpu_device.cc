@@ -333,17 +333,15 @@ class CpuDevice final : public Device {
   CommWindow comm_window(void* data, uint64_t bytes, WindowAccess access) override {
     if (!options_.strict || data == nullptr || bytes == 0) return CommWindow(data);
     std::shared_ptr<char[]> copy(new char[bytes]);
+    Status in;
     if (access == WindowAccess::kWrite) {
       std::memset(copy.get(), 0xff, bytes);
-    } else if (Status s = copy_range(copy.get(), data, bytes); !s.is_ok()) {
-      // The collective then reads NaN bytes: say why first.
-      log::warn_once("cpu-strict:window", s.message());
-      std::memset(copy.get(), 0xff, bytes);
+    } else if (in = copy_range(copy.get(), data, bytes); !in.is_ok()) {
+      std::memset(copy.get(), 0xff, bytes);  // the collective reads NaN bytes; close() says why
     }
-    if (access == WindowAccess::kRead) {
-      return CommWindow(copy.get(), [copy] { return Status::ok(); });
-    }
-    return CommWindow(copy.get(), [this, copy, data, bytes] {
+    return CommWindow(copy.get(), [this, copy, data, bytes, access, in]() -> Status {
+      if (!in.is_ok()) return Status(in).with_context("strict device: filling a comm window");
+      if (access == WindowAccess::kRead) return Status::ok();
       return copy_range(data, copy.get(), bytes)
           .with_context("strict device: writing a comm window back");
     });

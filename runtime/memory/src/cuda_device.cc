@@ -371,6 +371,12 @@ class CudaDevice final : public Device {
           err != cudaSuccess) {
         return cuda_status("cudaMemcpy of a communicator's window back to the device", err);
       }
+      // From pinned memory cudaMemcpy returns when the copy is done; from pageable memory (the
+      // fallback in staging()) it may return before the DMA has landed, and the engine's
+      // non-blocking streams do not wait for the default stream: wait for it here.
+      if (cudaError_t err = cudaStreamSynchronize(nullptr); err != cudaSuccess) {
+        return cuda_status("cudaMemcpy of a communicator's window back to the device", err);
+      }
       return Status::ok();
     });
   }
@@ -426,8 +432,10 @@ class CudaDevice final : public Device {
     void* p = nullptr;
     {
       std::lock_guard lock(staging_mu_);
-      if (auto it = staging_cache_.lower_bound(padded);
-          it != staging_cache_.end() && it->first <= 2 * padded) {
+      // Any cached buffer large enough: the cache never holds more than the peak, and a new
+      // allocation beside an unsuitable-looking one would only churn (cudaFreeHost synchronises
+      // the device).
+      if (auto it = staging_cache_.lower_bound(padded); it != staging_cache_.end()) {
         p = it->second;
         staging_cached_ -= it->first;
         staging_open_ += it->first;

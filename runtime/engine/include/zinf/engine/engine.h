@@ -233,7 +233,9 @@ class UnitScope {
   // buffer (zero the first time it is asked for; the model writes the unit's gradients there),
   // reachable by host code until the scope ends, with no copy. nullptr, not an error, where the
   // device declines (CUDA) or the parameters are 16-bit, and from grads_in_place where the
-  // gradient buffer does not fit in the device budget yet: the model copies instead.
+  // gradient buffer does not fit in the device budget yet: the model copies instead, for the rest
+  // of the scope (grads_from_host overwrites the buffer: gradients written in place before it are
+  // lost).
   Result<const float*> params_in_place();
   Result<float*> grads_in_place();
 
@@ -401,6 +403,9 @@ class Engine {
   Engine(const EngineSettings& settings, std::unique_ptr<Impl> impl);
   Status end_scope(UnitScope& scope);
   Result<TensorView> scope_grads(UnitScope& scope);
+  // The scope's gradient buffer allocated and zeroed, if it has none (kOutOfMemory, and nothing
+  // changed, when it does not fit).
+  Status allocate_scope_grads(UnitScope& scope);
 
   EngineSettings settings_;
   std::unique_ptr<Impl> impl_;
