@@ -306,7 +306,7 @@ Result<float*> UnitScope::grads_in_place() {
       if (taken.code() == ErrorCode::kOutOfMemory) return nullptr;
       ZINF_RETURN_IF_ERROR(taken);
     }
-    // The buffer's zeroing, enqueued by grads(), completes before the model writes.
+    // The buffer's zeroing, enqueued with its allocation, completes before the model writes.
     ZINF_RETURN_IF_ERROR(
         engine_detail::sync(engine_->stream())
             .with_context("zeroing the gradients of unit " + engine_->unit_spec(unit_).name));
