@@ -462,8 +462,9 @@ inline constexpr Tunable<int> kDeviceOrdinal{
     .name = "device_ordinal",
     .value = -1,
     .unit = Unit::kCount,
-    .doc = "CUDA: the GPU of this rank; -1 = the launcher's LOCAL_RANK (zinf train --ranks: the "
-           "rank) modulo the visible GPUs",
+    .doc =
+        "CUDA: the GPU of this rank; -1 = the launcher's LOCAL_RANK (zinf train --ranks: the "
+        "rank) modulo the visible GPUs",
 };
 inline constexpr Tunable<int> kOptimizerThreads{
     .name = "optimizer_threads",
