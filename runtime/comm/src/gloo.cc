@@ -37,7 +37,7 @@ constexpr size_t kAbortTextBytes = 1024;
 constexpr std::chrono::milliseconds kAbortSendWait{2000};
 // After a peer's connection fails, how long to wait for its abort message, which names the
 // reason, before reporting the connection error alone.
-constexpr std::chrono::milliseconds kAbortReasonGrace{300};
+constexpr std::chrono::milliseconds kAbortReasonGrace{1000};
 // The abort watcher's wait has no deadline of its own (the destructor wakes it); Gloo needs one.
 constexpr std::chrono::milliseconds kWatchForever = std::chrono::hours(24 * 365);
 
@@ -304,16 +304,17 @@ class GlooBackend final : public CommBackend {
 
   // The watcher: waits for the first peer's abort message, then fails this rank's waits. It stops
   // when the destructor wakes it, or when a connection fails (a peer that ended its run, or one
-  // that died: the waits in flight on that peer see the failure themselves).
+  // that died: the waits in flight on that peer see the failure themselves). A peer that aborts
+  // sends its message and then closes its connections; Gloo reports the closed connection in
+  // preference to a receive completed before it, so the slots are read after a failure too.
   void watch() {
-    bool received = false;
     try {
-      received = abort_in_buffer_->waitRecv(nullptr, kWatchForever);
+      abort_in_buffer_->waitRecv(nullptr, kWatchForever);
     } catch (const std::exception&) {
-      return;
+      // A connection failed; a message that arrived before it is in its slot.
     }
     std::lock_guard lock(mu_);
-    if (!received || shutting_down_) return;
+    if (shutting_down_) return;
     // Gloo names only the latest sender of a buffer: the message itself says whose it is.
     for (int j : peers()) {
       const AbortMessage& m = abort_in_[j];
