@@ -670,3 +670,45 @@ TEST(Engine, SetLrRefusesBadValuesAndUpdatesAlreadyStarted) {
 
 }  // namespace
 }  // namespace zinf
+
+namespace zinf {
+namespace {
+
+// Walking the device budget from below one unit's working set up to room for everything: a
+// budget the engine accepts trains (reductions in flight give their buffers back before the next
+// gradient buffer is taken, and one whose accumulator cannot be had then waits, queued, for a
+// later point) and ends on the bits of the unbounded run; one it refuses is refused at creation,
+// with the least it needs. Stage 3 with overlap_comm and two micro-steps, so that accumulators
+// are both overwritten and read while reductions are in flight.
+TEST(Engine, EveryDeviceBudgetTheEngineAcceptsTrainsToTheSameBits) {
+  const testing::MlpShape shape{.dims = {64, 256, 256, 256, 256, 256, 8}};
+  EngineSettings s = base(3);
+  s.overlap_comm = true;
+  s.gradient_accumulation_steps = 2;
+  s.max_reuse_distance = 0;
+  const RunResult ref = train_local(s, 2, 2, 2, shape);
+  ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
+  int refused = 0, trained = 0;
+  for (uint64_t kib = 1024; kib <= 6144; kib += 64) {
+    s.device_mem = kib << 10;
+    const RunResult r = train_local(s, 2, 2, 2, shape);
+    if (!r.status.is_ok()) {
+      ++refused;
+      EXPECT_EQ(trained, 0) << kib << " KiB refused after a smaller budget trained";
+      EXPECT_EQ(r.status.code(), ErrorCode::kInvalidArgument) << r.status.to_string();
+      EXPECT_NE(r.status.message().find("is too small"), std::string::npos) << r.status.to_string();
+      continue;
+    }
+    ++trained;
+    EXPECT_TRUE(same_bits(ref, r)) << kib << " KiB";
+    for (int rank = 0; rank < 2; ++rank) {
+      EXPECT_LE(r.memory[rank].tiers[static_cast<int>(Tier::kDevice)].peak, s.device_mem)
+          << kib << " KiB";
+    }
+  }
+  EXPECT_GT(refused, 0);
+  EXPECT_GT(trained, 10);
+}
+
+}  // namespace
+}  // namespace zinf

@@ -407,6 +407,9 @@ Result<UnitScope> Engine::gather(size_t unit) {
 Status Engine::allocate_scope_grads(UnitScope& scope) {
   engine_detail::EngineState& e = impl_->e;
   if (scope.grads_) return Status::ok();
+  // Reductions that completed since the last issue give back their buffers first (a reap that
+  // cannot get an accumulator leaves the reduction queued: it never fails here for memory).
+  ZINF_RETURN_IF_ERROR(impl_->reducer.reap());
   const auto& l = e.unit_states[scope.unit_].layout;
   ZINF_ASSIGN_OR_RETURN(
       DeviceBuffer g,

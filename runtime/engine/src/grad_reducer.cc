@@ -10,7 +10,8 @@ Status GradReducer::reap() {
   while (!pending_.empty() &&
          std::all_of(pending_.front().works.begin(), pending_.front().works.end(),
                      [](const comm::Work& w) { return w.ready(); })) {
-    ZINF_RETURN_IF_ERROR(finish_front());
+    ZINF_ASSIGN_OR_RETURN(bool finished, finish_front(/*may_defer=*/true));
+    if (!finished) break;
   }
   return Status::ok();
 }
@@ -69,12 +70,12 @@ Status GradReducer::issue(size_t u, DeviceBuffer grads) {
   pending_.push_back(std::move(p));
   const auto in_flight = static_cast<size_t>(std::max(e_.max_reductions_in_flight, 0));
   if (in_flight == 0) return drain();
-  while (pending_.size() > in_flight) ZINF_RETURN_IF_ERROR(finish_front());
+  while (pending_.size() > in_flight) ZINF_RETURN_IF_ERROR(finish_front().status());
   return Status::ok();
 }
 
 Status GradReducer::drain() {
-  while (!pending_.empty()) ZINF_RETURN_IF_ERROR(finish_front());
+  while (!pending_.empty()) ZINF_RETURN_IF_ERROR(finish_front().status());
   return Status::ok();
 }
 
@@ -85,46 +86,63 @@ void GradReducer::abandon() {
   pending_.clear();
 }
 
-Status GradReducer::finish_front() {
-  Pending p = std::move(pending_.front());
-  pending_.pop_front();
-  trace::Span span(e_.track("comm"), "reduce " + e_.units[p.unit].name);
-  Status first;
-  for (auto& w : p.works) {
-    Status ws = w.wait();
-    if (first.is_ok() && !ws.is_ok()) first = std::move(ws);
+Result<bool> GradReducer::finish_front(bool may_defer) {
+  Pending& p = pending_.front();
+  const size_t unit = p.unit;
+  // On failure the reduction leaves the queue: the step fails, and abandon() drops the rest.
+  auto fail = [&](Status s) {
+    pending_.pop_front();
+    return std::move(s).with_context(
+        fmt::format("reducing the gradients of unit {}", e_.units[unit].name));
+  };
+  if (!p.received) {
+    trace::Span span(e_.track("comm"), "reduce " + e_.units[unit].name);
+    Status first;
+    for (auto& w : p.works) {
+      Status ws = w.wait();
+      if (first.is_ok() && !ws.is_ok()) first = std::move(ws);
+    }
+    // The reduced gradients reach the device as the windows close.
+    if (Status closed = close_windows(p.windows); first.is_ok()) first = std::move(closed);
+    if (!first.is_ok()) return fail(std::move(first));
+    p.received = true;
   }
-  // The reduced gradients reach the device as the windows close.
-  if (Status closed = close_windows(p.windows); first.is_ok()) first = std::move(closed);
-  if (!first.is_ok()) {
-    return std::move(first).with_context(
-        fmt::format("reducing the gradients of unit {}", e_.units[p.unit].name));
-  }
-  UnitState& st = e_.unit_states[p.unit];
+  UnitState& st = e_.unit_states[unit];
   // The first micro-step overwrites the (lazily zero) accumulators without fetching them; with a
   // full accumulator the bytes outside this rank's range are then unspecified, and never read.
+  // acc_zero changes only once every piece is in, so a resumed reduction sees what it began with.
   const Access access = st.acc_zero ? Access::kOverwrite : Access::kRead;
   const uint64_t wsize = dtype_size(e_.s.dtype);
   TensorHandle acc;  // consecutive pieces may share one accumulator
-  for (size_t pi : st.pieces) {
-    const PieceState& piece = e_.pieces[pi];
+  for (; p.pieces_added < st.pieces.size(); ++p.pieces_added) {
+    const PieceState& piece = e_.pieces[st.pieces[p.pieces_added]];
     if (!acc || acc.id() != piece.acc) {
+      // A deferral happens only here, where a piece with an accumulator of its own begins: the
+      // pieces before it are complete, and a resumed reduction acquires this one afresh.
       acc.release();
-      ZINF_ASSIGN_OR_RETURN(acc,
-                            e_.store->acquire(piece.acc, EngineState::compute_tier(st), access));
+      Result<TensorHandle> got =
+          e_.store->acquire(piece.acc, EngineState::compute_tier(st), access);
+      if (!got.is_ok()) {
+        if (may_defer && got.status().code() == ErrorCode::kOutOfMemory) return false;
+        return fail(got.status());
+      }
+      acc = std::move(*got);
       acc.mark_dirty();
     }
     const char* reduced = e_.policy.owns_every_shard
                               ? static_cast<const char*>(p.grads.data()) + piece.begin * wsize
                               : static_cast<const char*>(p.shard.data()) +
                                     (piece.begin - st.layout.shard_begin(e_.rank)) * wsize;
-    ZINF_RETURN_IF_ERROR(accumulate_into(acc, piece.begin - piece.acc_base, reduced,
-                                         piece.end - piece.begin, /*overwrite=*/st.acc_zero));
+    Status added = accumulate_into(acc, piece.begin - piece.acc_base, reduced,
+                                   piece.end - piece.begin, /*overwrite=*/st.acc_zero);
+    if (!added.is_ok()) return fail(std::move(added));
   }
   acc.release();
   st.acc_zero = false;
-  if (p.final) optimizer_.on_grads_final(p.unit);
-  return Status::ok();
+  const bool final = p.final;
+  pending_.pop_front();  // frees the gradient buffer and the shard
+  if (final) optimizer_.on_grads_final(unit);
+  return true;
 }
 
 Status GradReducer::accumulate_into(const TensorHandle& acc, uint64_t offset, const void* src,

@@ -25,9 +25,10 @@ class GradReducer {
 
   Status issue(size_t u, DeviceBuffer grads);
   // Accumulates, in order, the reductions at the front that have completed, and frees their
-  // buffers (at issue: in flight stays only what is still moving). Not called where the units
-  // being computed hold the device budget: an accumulation that cannot get its accumulator
-  // there would fail a reduction already taken off the queue.
+  // buffers, so that what stays in flight is only what is still moving (called at issue and
+  // before a gradient buffer is taken). Where an accumulator cannot be had for lack of memory,
+  // the reduction stays at the front with the pieces already added counted, and a later reap,
+  // or the drain, goes on from there: a reap never fails for lack of memory.
   Status reap();
   // Completes every reduction in flight (accumulating each); the first failure.
   Status drain();
@@ -42,8 +43,12 @@ class GradReducer {
     std::vector<comm::Work> works;
     std::vector<Device::CommWindow> windows;  // the reductions' reach into grads and shard
     bool final = false;                       // the unit's last gradient of the step
+    bool received = false;                    // the works completed and the windows closed
+    size_t pieces_added = 0;                  // of the unit's pieces, in order
   };
-  Status finish_front();
+  // Completes the front reduction and takes it off the queue. With `may_defer`, an accumulator
+  // refused for lack of memory leaves it at the front (returns false) instead of failing.
+  Result<bool> finish_front(bool may_defer = false);
   Status accumulate_into(const TensorHandle& acc, uint64_t offset, const void* src, uint64_t n,
                          bool overwrite);
 
