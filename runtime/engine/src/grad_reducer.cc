@@ -29,9 +29,12 @@ Status GradReducer::issue(size_t u, DeviceBuffer grads) {
   p.final = e_.sched->following() && !e_.sched->next_use(u) && st.scopes == 0;
   if (p.final && optimizer_.updates_early()) st.final_issued = true;
   if (!e_.policy.owns_every_shard) {
-    ZINF_ASSIGN_OR_RETURN(
-        p.shard, e_.store->allocate_device(l.shard_numel * wsize, MemoryCategory::kBuffers,
-                                           "reduced gradient shard of " + e_.units[u].name));
+    p.direct = direct_accumulator(u);
+    if (!p.direct) {
+      ZINF_ASSIGN_OR_RETURN(
+          p.shard, e_.store->allocate_device(l.shard_numel * wsize, MemoryCategory::kBuffers,
+                                             "reduced gradient shard of " + e_.units[u].name));
+    }
   }
   const uint64_t bucket = std::max<uint64_t>(e_.s.reduce_bucket_elements, 1);
   // The communicator works in its windows: the gradients (reduced in place at stage 0, read at
@@ -40,9 +43,8 @@ Status GradReducer::issue(size_t u, DeviceBuffer grads) {
       p.grads.data(), l.numel_padded * wsize,
       e_.policy.owns_every_shard ? Device::WindowAccess::kReadWrite : Device::WindowAccess::kRead);
   Device::CommWindow shard_window;
-  if (p.shard) {
-    shard_window =
-        e_.comm_window(p.shard.data(), l.shard_numel * wsize, Device::WindowAccess::kWrite);
+  if (void* out = p.direct ? p.direct.data() : p.shard.data(); out != nullptr) {
+    shard_window = e_.comm_window(out, l.shard_numel * wsize, Device::WindowAccess::kWrite);
   }
   auto* g = static_cast<char*>(grads_window.data());
   auto* shard = static_cast<char*>(shard_window.data());
@@ -108,6 +110,14 @@ Result<bool> GradReducer::finish_front(bool may_defer) {
     p.received = true;
   }
   UnitState& st = e_.unit_states[unit];
+  if (p.direct) {  // the reduce-scatter wrote the accumulator itself
+    p.direct.release();
+    st.acc_zero = false;
+    const bool final = p.final;
+    pending_.pop_front();
+    if (final) optimizer_.on_grads_final(unit);
+    return true;
+  }
   // The first micro-step overwrites the (lazily zero) accumulators without fetching them; with a
   // full accumulator the bytes outside this rank's range are then unspecified, and never read.
   // acc_zero changes only once every piece is in, so a resumed reduction sees what it began with.
@@ -143,6 +153,26 @@ Result<bool> GradReducer::finish_front(bool may_defer) {
   pending_.pop_front();  // frees the gradient buffer and the shard
   if (final) optimizer_.on_grads_final(unit);
   return true;
+}
+
+TensorHandle GradReducer::direct_accumulator(size_t u) {
+  const UnitState& st = e_.unit_states[u];
+  if (!st.acc_zero || e_.s.dtype != DType::kF32 || st.pieces.size() != 1 ||
+      EngineState::compute_tier(st) != Tier::kDevice) {
+    return {};
+  }
+  for (const Pending& q : pending_) {
+    if (q.unit == u) return {};  // that one overwrites: this one must add
+  }
+  const PieceState& piece = e_.pieces[st.pieces.front()];
+  if (piece.begin != st.layout.shard_begin(e_.rank) || piece.end != st.layout.shard_end(e_.rank) ||
+      piece.acc_base != piece.begin) {
+    return {};
+  }
+  Result<TensorHandle> acc = e_.store->acquire(piece.acc, Tier::kDevice, Access::kOverwrite);
+  if (!acc.is_ok()) return {};  // the reduced shard takes its usual way (and reports a failure)
+  acc->mark_dirty();
+  return std::move(acc).value();
 }
 
 Status GradReducer::accumulate_into(const TensorHandle& acc, uint64_t offset, const void* src,

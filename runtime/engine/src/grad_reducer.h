@@ -40,6 +40,8 @@ class GradReducer {
     size_t unit;
     DeviceBuffer grads;  // the full gradient buffer (reduced in place by an all-reduce)
     DeviceBuffer shard;  // reduce-scatter: this rank's reduced part
+    // Or, reduced straight into the accumulator (direct_accumulator), held for the reduction.
+    TensorHandle direct;
     std::vector<comm::Work> works;
     std::vector<Device::CommWindow> windows;  // the reductions' reach into grads and shard
     bool final = false;                       // the unit's last gradient of the step
@@ -49,6 +51,11 @@ class GradReducer {
   // Completes the front reduction and takes it off the queue. With `may_defer`, an accumulator
   // refused for lack of memory leaves it at the front (returns false) instead of failing.
   Result<bool> finish_front(bool may_defer = false);
+  // The unit's accumulator, acquired to be overwritten by the reduce-scatter itself, when that
+  // gives what the accumulation would: the first micro-step (the accumulator is lazily zero,
+  // and no earlier reduction of the unit is queued), fp32 gradients, and one piece with this
+  // rank's whole shard in device memory. Otherwise (or if it cannot be had) an empty handle.
+  TensorHandle direct_accumulator(size_t u);
   Status accumulate_into(const TensorHandle& acc, uint64_t offset, const void* src, uint64_t n,
                          bool overwrite);
 
