@@ -220,6 +220,39 @@ class StoreTest : public ::testing::Test {
   std::unique_ptr<TieredTensorStore> store_;
 };
 
+// A host budget that cannot hold the staging buffers is refused when the store is made, with
+// the arithmetic, not on the first move that needs a buffer.
+TEST_F(StoreTest, AHostBudgetBelowTheStagingBuffersIsRefusedWithTheirSize) {
+  auto engine = io::IoEngine::create({.queue_depth = 16, .block_size = 512 << 10});
+  ASSERT_TRUE(engine.is_ok());
+  auto swap =
+      io::SwapSpace::create(**engine, {.directories = {dir_.path()}, .file_bytes = 8 << 20});
+  ASSERT_TRUE(swap.is_ok());
+  auto device = make_device(resolve_device_kind(DeviceKind::kAuto).value(),
+                            {.budget_bytes = 64 << 20, .ledger = &ledger_});
+  ASSERT_TRUE(device.is_ok());
+  for (uint64_t budget : {uint64_t{5} << 20, uint64_t{6} << 20}) {
+    PinnedPool pool(PinnedPoolOptions{.budget_bytes = budget, .pin = false, .ledger = &ledger_});
+    auto st = TieredTensorStore::create({.device = device->get(),
+                                         .host = &pool,
+                                         .swap = swap->get(),
+                                         .ledger = &ledger_,
+                                         .staging_bytes = 1 << 20,
+                                         .staging_buffers = 2,
+                                         .movers = 2});
+    if (budget < (6u << 20)) {
+      ASSERT_FALSE(st.is_ok());
+      EXPECT_EQ(st.status().code(), ErrorCode::kInvalidArgument);
+      EXPECT_NE(st.status().message().find("host budget 5.00 MiB is too small for the NVMe staging "
+                                           "buffers: 3 lanes x 2 buffers x 1.00 MiB = 6.00 MiB"),
+                std::string::npos)
+          << st.status().to_string();
+    } else {
+      EXPECT_TRUE(st.is_ok()) << st.status().to_string();  // exactly enough
+    }
+  }
+}
+
 TEST_F(StoreTest, NewTensorsAreZeroInEveryHome) {
   build();
   for (Tier home : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {

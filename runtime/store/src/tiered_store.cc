@@ -544,6 +544,20 @@ Result<std::unique_ptr<TieredTensorStore>> TieredTensorStore::create(const Store
                       "staging size must be a positive multiple of 1 MiB, got {}",
                       options.staging_bytes);
   }
+  if (options.device != nullptr && options.swap != nullptr && options.host != nullptr) {
+    // Each lane (one per mover, one for callers) stages its NVMe moves in buffers of its own.
+    const uint64_t lanes = options.movers + 1;
+    const uint64_t buffers = std::max<uint32_t>(options.staging_buffers, 2);
+    const uint64_t need = lanes * buffers * options.staging_bytes;
+    if (need > options.host->budget_bytes()) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "host budget {} is too small for the NVMe staging buffers: {} lanes x {} "
+                        "buffers x {} = {}; raise the host budget or lower the staging size",
+                        format_bytes(static_cast<double>(options.host->budget_bytes())), lanes,
+                        buffers, format_bytes(static_cast<double>(options.staging_bytes)),
+                        format_bytes(static_cast<double>(need)));
+    }
+  }
   auto impl = std::make_unique<Impl>(options);
   if (options.device != nullptr) {
     // One lane per mover plus one for callers that flush or evict on their own thread.
