@@ -10,6 +10,7 @@
 #include <limits>
 #include <thread>
 
+#include "../io/test_dir.h"
 #include "mlp.h"
 
 namespace zinf {
@@ -708,6 +709,88 @@ TEST(Engine, EveryDeviceBudgetTheEngineAcceptsTrainsToTheSameBits) {
   }
   EXPECT_GT(refused, 0);
   EXPECT_GT(trained, 10);
+}
+
+// The same walk over the host budget, with the optimizer (and so the gradient accumulators) on
+// NVMe: an accumulator is then a host copy the budget must make room for when a reduction
+// completes. Below the floor the run fails (the staging buffers are refused at creation, then the
+// state's first copies); from the first budget that trains, every one trains, within its budget,
+// to the bits of the run with everything on the device.
+TEST(Engine, EveryHostBudgetTheEngineAcceptsTrainsToTheSameBits) {
+  zinf::testing::TempDir nvme;
+  const testing::MlpShape shape{.dims = {64, 256, 256, 256, 256, 256, 8}};
+  EngineSettings s = base(3);
+  s.overlap_comm = true;
+  s.gradient_accumulation_steps = 2;
+  s.max_reuse_distance = 0;
+  const RunResult ref = train_local(s, 2, 2, 2, shape);
+  ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
+  s.optimizer_home = Tier::kNvme;
+  s.nvme_paths = {nvme.path()};
+  s.staging_bytes = 1 << 20;
+  s.staging_buffers = 2;
+  int refused = 0, trained = 0;
+  for (uint64_t kib = 5120; kib <= 12288; kib += 128) {
+    s.host_mem = kib << 10;
+    const RunResult r = train_local(s, 2, 2, 2, shape);
+    if (!r.status.is_ok()) {
+      ++refused;
+      EXPECT_EQ(trained, 0) << kib << " KiB refused after a smaller budget trained";
+      continue;
+    }
+    ++trained;
+    EXPECT_TRUE(same_bits(ref, r)) << kib << " KiB";
+    for (int rank = 0; rank < 2; ++rank) {
+      EXPECT_LE(r.memory[rank].tiers[static_cast<int>(Tier::kHost)].peak, s.host_mem)
+          << kib << " KiB";
+    }
+  }
+  EXPECT_GT(refused, 0);
+  EXPECT_GT(trained, 10);
+}
+
+}  // namespace
+}  // namespace zinf
+
+namespace zinf {
+namespace {
+
+// The global norm adds each piece's block sums of squares, taken when the piece's gradient became
+// final (its unit's last reduction of the step, by the recorded trace), so that the norm does not
+// read offloaded gradients back. A use the trace did not predict adds to a gradient already
+// final: its sums must be taken again. Run X follows the trace of step 0 in step 1, then adds a
+// gradient to unit 0 past its predicted last use; run R makes the same step-1 gradients, but its
+// step-0 trace already has the extra use of unit 0 (a forward-only gather, which changes
+// nothing), so in R that use is predicted and unit 0's sums are taken after it. With clipping
+// always on, the norm's every bit reaches the parameters.
+TEST(Engine, AGradientAddedAfterItsPredictedLastUseCountsInTheNorm) {
+  const testing::MlpShape shape{.dims = {16, 64, 64, 4}};
+  auto extra_grads = [](Engine& e) {
+    auto scope = e.gather(0);
+    ASSERT_TRUE(scope.is_ok()) << scope.status().to_string();
+    std::vector<float> g(scope->layout().numel, 0.25f);
+    ASSERT_TRUE(scope->grads_from_host(g).is_ok());
+    ASSERT_TRUE(scope->finish().is_ok());
+  };
+  auto departs = [&](Engine& e, int step) {
+    if (step == 1) extra_grads(e);
+  };
+  auto predicted = [&](Engine& e, int step) {
+    if (step == 0) ASSERT_TRUE(e.gather(0).is_ok());
+    if (step == 1) extra_grads(e);
+  };
+  for (int stage : {0, 1, 2, 3}) {
+    EngineSettings s = base(stage);
+    s.gradient_clipping = 1e-3f;  // every step is clipped
+    const RunResult x = train_local(s, 2, 2, 2, shape, departs);
+    const RunResult r = train_local(s, 2, 2, 2, shape, predicted);
+    ASSERT_TRUE(x.status.is_ok() && r.status.is_ok()) << x.status.to_string();
+    ASSERT_EQ(x.info.size(), 2u);
+    EXPECT_EQ(std::memcmp(&x.info[1].grad_norm, &r.info[1].grad_norm, sizeof(double)), 0)
+        << "stage " << stage << ": " << x.info[1].grad_norm << " vs " << r.info[1].grad_norm;
+    EXPECT_TRUE(same_bits(x, r)) << "stage " << stage;
+    EXPECT_GT(x.schedule[0].departures, 0u) << "stage " << stage;
+  }
 }
 
 }  // namespace

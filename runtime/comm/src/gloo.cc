@@ -314,6 +314,9 @@ class GlooBackend final : public CommBackend {
       // A connection failed; a message that arrived before it is in its slot.
     }
     std::lock_guard lock(mu_);
+    // Waits for a peer's reason need not sit out their grace once the watcher is done.
+    watcher_done_ = true;
+    abort_cv_.notify_all();
     if (shutting_down_) return;
     // Gloo names only the latest sender of a buffer: the message itself says whose it is.
     for (int j : peers()) {
@@ -414,7 +417,8 @@ class GlooBackend final : public CommBackend {
       // A peer's connection failed. If the peer aborted, its message came first on the same
       // connection: give the watcher a moment to report it.
       std::unique_lock lock(mu_);
-      abort_cv_.wait_for(lock, kAbortReasonGrace, [&] { return peer_aborted_ || self_aborted_; });
+      abort_cv_.wait_for(lock, kAbortReasonGrace,
+                         [&] { return peer_aborted_ || self_aborted_ || watcher_done_; });
       if (Status s = abort_status_locked(); !s.is_ok()) return s;
       return make_error(ErrorCode::kUnavailable,
                         "{} #{} failed on rank {}: {}; the Gloo communicator is broken",
@@ -547,6 +551,7 @@ class GlooBackend final : public CommBackend {
   bool abort_sending_ = false;  // abort() is still handing the reason to the peers
   bool peer_aborted_ = false;
   bool shutting_down_ = false;
+  bool watcher_done_ = false;  // the abort watcher returned (under mu_)
   Status own_abort_;
   Status peer_abort_;
 };

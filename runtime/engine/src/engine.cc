@@ -408,8 +408,12 @@ Status Engine::allocate_scope_grads(UnitScope& scope) {
   engine_detail::EngineState& e = impl_->e;
   if (scope.grads_) return Status::ok();
   // Reductions that completed since the last issue give back their buffers first (a reap that
-  // cannot get an accumulator leaves the reduction queued: it never fails here for memory).
-  ZINF_RETURN_IF_ERROR(impl_->reducer.reap());
+  // cannot get an accumulator leaves the reduction queued: it never fails here for memory). Any
+  // other failure lost that reduction's gradients: it fails the step (sticky), and this scope
+  // goes on, so that its own reduction is still issued on every rank alike.
+  if (Status reaped = impl_->reducer.reap(); !reaped.is_ok() && e.sticky.is_ok()) {
+    e.sticky = std::move(reaped);
+  }
   const auto& l = e.unit_states[scope.unit_].layout;
   ZINF_ASSIGN_OR_RETURN(
       DeviceBuffer g,

@@ -111,6 +111,14 @@ Result<bool> GradReducer::finish_front(bool may_defer) {
   }
   UnitState& st = e_.unit_states[unit];
   if (p.direct) {  // the reduce-scatter wrote the accumulator itself
+    const size_t pi = st.pieces.front();
+    optimizer_.forget_sums(pi);
+    if (p.final) {
+      if (Status s = optimizer_.record_sums(pi, p.direct, e_.pieces[pi].acc_base, stream());
+          !s.is_ok()) {
+        return fail(std::move(s));
+      }
+    }
     p.direct.release();
     st.acc_zero = false;
     const bool final = p.final;
@@ -143,8 +151,13 @@ Result<bool> GradReducer::finish_front(bool may_defer) {
                               ? static_cast<const char*>(p.grads.data()) + piece.begin * wsize
                               : static_cast<const char*>(p.shard.data()) +
                                     (piece.begin - st.layout.shard_begin(e_.rank)) * wsize;
+    optimizer_.forget_sums(st.pieces[p.pieces_added]);
     Status added = accumulate_into(acc, piece.begin - piece.acc_base, reduced,
                                    piece.end - piece.begin, /*overwrite=*/st.acc_zero);
+    // The unit's last gradient of the step: the piece's sums of squares for the norm, now.
+    if (added.is_ok() && p.final) {
+      added = optimizer_.record_sums(st.pieces[p.pieces_added], acc, piece.acc_base, stream());
+    }
     if (!added.is_ok()) return fail(std::move(added));
   }
   acc.release();
@@ -175,17 +188,22 @@ TensorHandle GradReducer::direct_accumulator(size_t u) {
   return std::move(acc).value();
 }
 
+Stream& GradReducer::stream() {
+  if (!stream_) stream_ = e_.device->create_stream(e_.track("reduce"));
+  return *stream_;
+}
+
 Status GradReducer::accumulate_into(const TensorHandle& acc, uint64_t offset, const void* src,
                                     uint64_t n, bool overwrite) {
   float* dst = static_cast<float*>(acc.data()) + offset;
   if (acc.tier() == Tier::kDevice) {
     e_.device->accumulate({.data = dst, .dtype = DType::kF32, .numel = n}, {src, e_.s.dtype, n},
-                          overwrite, *e_.stream);
-    return sync(*e_.stream);
+                          overwrite, stream());
+    return sync(stream());
   }
   host_scratch_.resize(n * dtype_size(e_.s.dtype));
-  e_.device->copy_async(host_scratch_.data(), src, host_scratch_.size(), *e_.stream);
-  ZINF_RETURN_IF_ERROR(sync(*e_.stream));
+  e_.device->copy_async(host_scratch_.data(), src, host_scratch_.size(), stream());
+  ZINF_RETURN_IF_ERROR(sync(stream()));
   kernels::accumulate(dst, host_scratch_.data(), e_.s.dtype, n, overwrite, e_.s.optimizer_threads);
   return Status::ok();
 }

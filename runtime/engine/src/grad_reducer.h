@@ -63,6 +63,10 @@ class GradReducer {
   OptimizerPipeline& optimizer_;
   std::deque<Pending> pending_;
   std::vector<char> host_scratch_;  // reduced gradients on their way to a host-tier accumulator
+  // The accumulations' own stream: a reap inside a scope must neither wait for the model's work
+  // on the engine's stream nor take a failure of it for its own.
+  std::unique_ptr<Stream> stream_;  // made on first use (the device comes after the reducer)
+  Stream& stream();
 };
 
 }  // namespace zinf::engine_detail

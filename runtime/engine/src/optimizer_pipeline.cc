@@ -100,6 +100,7 @@ uint64_t OptimizerPipeline::sub_group_limit() const {
 void OptimizerPipeline::set_plan(const sched::SubGroupPlan& plan, uint64_t accumulator_bytes) {
   groups_ = plan.groups;
   updated_.assign(plan.pieces.size(), 0);
+  sums_.assign(plan.pieces.size(), Sums{});
   walk_.clear();
   for (size_t g = 0; g < groups_.size(); ++g) walk_.push_back(g);
   uint64_t largest_group = 0;  // elements
@@ -179,8 +180,37 @@ Status OptimizerPipeline::zero_untouched_accumulators() {
       ZINF_RETURN_IF_ERROR(zero(acc));
       acc.mark_dirty();
     }
+    for (size_t pi : st.pieces) forget_sums(pi);  // sums from before a checkpoint load
     st.acc_zero = false;
   }
+  return Status::ok();
+}
+
+// The 1024-element block sums of squares of piece `p`'s gradient, `acc` holding it.
+static Status piece_block_sums(EngineState& e, Stream& stream, const PieceState& p,
+                               const TensorHandle& acc, uint64_t acc_base, float scale_factor,
+                               std::vector<double>& blocks) {
+  const uint64_t n = p.end - p.begin;
+  blocks.resize(kernels::sum_squares_block_count(n));
+  const float* grads = static_cast<const float*>(acc.data()) + (p.begin - acc_base);
+  if (acc.tier() == Tier::kDevice) {
+    e.device->sum_squares_blocks({grads, DType::kF32, n}, scale_factor, blocks.data(), stream);
+    return sync(stream);
+  }
+  kernels::grad_sum_squares_blocks(grads, DType::kF32, n, scale_factor, blocks.data(),
+                                   e.s.optimizer_threads);
+  return Status::ok();
+}
+
+Status OptimizerPipeline::record_sums(size_t pi, const TensorHandle& acc, uint64_t acc_base,
+                                      Stream& stream) {
+  Sums& s = sums_[pi];
+  s.valid = false;
+  if (updates_early()) return Status::ok();  // no norm is taken
+  s.factor = combined_scale();
+  ZINF_RETURN_IF_ERROR(
+      piece_block_sums(e_, stream, e_.pieces[pi], acc, acc_base, s.factor, s.blocks));
+  s.valid = true;
   return Status::ok();
 }
 
@@ -192,28 +222,34 @@ Result<double> OptimizerPipeline::partial_sum_squares(int range_rank, float scal
       if (e_.pieces[pi].begin >= lo && e_.pieces[pi].end <= hi) selected.push_back(pi);
     }
   }
+  // Sums recorded when the gradient became final give the same blocks, added in the same order.
+  auto recorded = [&](size_t pi) {
+    return sums_[pi].valid && sums_[pi].factor == scale_factor &&
+           !e_.unit_states[e_.pieces[pi].unit].acc_zero;
+  };
+  std::vector<size_t> to_read;  // the accumulators that must be read, in order
+  for (size_t pi : selected) {
+    if (!recorded(pi)) to_read.push_back(pi);
+  }
   double total = 0;
   std::vector<double> blocks;
-  for (size_t i = 0; i < selected.size(); ++i) {
-    if (i + 1 < selected.size()) {  // read the next accumulator while this one is summed
-      const PieceState& next = e_.pieces[selected[i + 1]];
+  size_t next_read = 0;
+  for (size_t pi : selected) {
+    if (recorded(pi)) {
+      for (double b : sums_[pi].blocks) total += b;
+      continue;
+    }
+    ++next_read;
+    if (next_read < to_read.size()) {  // read the next accumulator while this one is summed
+      const PieceState& next = e_.pieces[to_read[next_read]];
       e_.store->prefetch(next.acc, EngineState::compute_tier(e_.unit_states[next.unit]));
     }
-    const PieceState& p = e_.pieces[selected[i]];
+    const PieceState& p = e_.pieces[pi];
     ZINF_ASSIGN_OR_RETURN(
         TensorHandle acc,
         e_.store->acquire(p.acc, EngineState::compute_tier(e_.unit_states[p.unit])));
-    const uint64_t n = p.end - p.begin;
-    blocks.resize(kernels::sum_squares_block_count(n));
-    const float* grads = static_cast<const float*>(acc.data()) + (p.begin - p.acc_base);
-    if (acc.tier() == Tier::kDevice) {
-      e_.device->sum_squares_blocks({grads, DType::kF32, n}, scale_factor, blocks.data(),
-                                    *e_.stream);
-      ZINF_RETURN_IF_ERROR(sync(*e_.stream));
-    } else {
-      kernels::grad_sum_squares_blocks(grads, DType::kF32, n, scale_factor, blocks.data(),
-                                       e_.s.optimizer_threads);
-    }
+    ZINF_RETURN_IF_ERROR(
+        piece_block_sums(e_, *e_.stream, p, acc, p.acc_base, scale_factor, blocks));
     for (double b : blocks) total += b;
   }
   return total;
@@ -248,6 +284,7 @@ void OptimizerPipeline::commit() {
 // After a step the accumulators are zero; the bytes are written only when needed.
 void OptimizerPipeline::discard() {
   for (UnitState& st : e_.unit_states) st.acc_zero = true;
+  for (Sums& s : sums_) s.valid = false;
 }
 
 void OptimizerPipeline::read_ahead() {

@@ -59,6 +59,15 @@ class OptimizerPipeline {
   // Writes the zeros of accumulators that received no gradient this step (before they are read).
   Status zero_untouched_accumulators();
   Result<double> partial_sum_squares(int range_rank, float scale_factor);
+  // A piece's gradient is final (its unit's last reduction of the step was just added, and `acc`
+  // holds it, its element 0 at flat index `acc_base`): its block sums of squares are taken now,
+  // while it is in memory, for partial_sum_squares, which then need not read it back (from NVMe,
+  // when the host budget could not keep it). Any later addition to the piece (a use the trace
+  // did not predict) forgets them: forget_sums().
+  Status record_sums(size_t pi, const TensorHandle& acc, uint64_t acc_base, Stream& stream);
+  void forget_sums(size_t pi) {
+    if (pi < sums_.size()) sums_[pi].valid = false;
+  }
   // Updates every piece not yet updated in this step; `writeback` receives the first write-back
   // failure (the data stays valid in memory: the step goes on).
   Status update(const kernels::AdamStepArgs& args, Status& writeback);
@@ -88,6 +97,14 @@ class OptimizerPipeline {
   // Pieces whose update of the step being made is done. The worker marks the pieces it updates;
   // nothing else touches those entries until wait_early().
   std::vector<uint8_t> updated_;
+  // Per piece, the block sums of squares of its final gradient in this step (record_sums), and
+  // the scale factor they were taken with.
+  struct Sums {
+    bool valid = false;
+    float factor = 0;
+    std::vector<double> blocks;
+  };
+  std::vector<Sums> sums_;
   std::unique_ptr<OptimizerWorker> worker_;  // overlap_optimizer only
   size_t updated_early_ = 0;                 // units handed to the worker in this step
 };
