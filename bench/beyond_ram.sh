@@ -12,7 +12,10 @@
 # `zinf checkpoint export` writes it as safetensors; each process's peak RSS (/usr/bin/time) is
 # printed against the budgets and the state, with the save and export rates.
 #
-#   bench/beyond_ram.sh [NVME_DIR] [PRESET]   (env: ZINF=build/cli/zinf, BUDGET=, SEQ=32, SAVE=)
+# EXTRA adds flags to the training run (for example EXTRA="--clip 0 --overlap-optimizer": updates
+# fused into backward, whose minimum is lower: docs/offload.md).
+#
+#   bench/beyond_ram.sh [NVME_DIR] [PRESET]   (env: ZINF=build/cli/zinf, BUDGET=, SEQ=32, SAVE=, EXTRA=)
 set -euo pipefail
 DIR=${1:-.zinf/beyond}
 PRESET=${2:-2b}
@@ -22,6 +25,7 @@ BUDGET_FLAGS=()
 [ -n "$BUDGET" ] && BUDGET_FLAGS=(--device-mem "$BUDGET" --host-mem "$BUDGET")
 SEQ=${SEQ:-32}
 SAVE=${SAVE:-}
+read -r -a EXTRA_FLAGS <<< "${EXTRA:-}"
 [ -x "$ZINF" ] || { echo "$ZINF not found: build first (make build)" >&2; exit 1; }
 mkdir -p "$DIR"
 LOG=$(mktemp)
@@ -42,7 +46,7 @@ fi
 /usr/bin/time -f "train %M %e" -a -o "$TIMES" \
   "$ZINF" train --model "$PRESET" --ranks 1 --stage 3 --offload-param nvme --offload-optimizer nvme \
   --nvme-path "$DIR" "${BUDGET_FLAGS[@]}" --batch 1 --seq "$SEQ" \
-  --steps 2 --lr 1e-5 --log-json "$LOG" "${SAVE_FLAGS[@]}" | tee "$OUT"
+  --steps 2 --lr 1e-5 --log-json "$LOG" "${SAVE_FLAGS[@]}" "${EXTRA_FLAGS[@]}" | tee "$OUT"
 if [ -n "$SAVE" ]; then
   /usr/bin/time -f "export %M %e" -a -o "$TIMES" \
     "$ZINF" checkpoint export "$DIR/ckpt" --out "$DIR/export.safetensors"
