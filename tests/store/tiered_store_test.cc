@@ -495,6 +495,92 @@ TEST_F(StoreTest, BudgetsHoldByEvictingFarthestNextUseFirst) {
   expect_within_budgets();
 }
 
+// Waits (at most 10 s) until `done()` holds; whether it did.
+bool eventually(const std::function<bool()>& done) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
+}
+
+// Prefetches are issued in the order of use: one that would evict a copy another prefetch
+// brought, not yet used, gives up instead (it would only read that copy twice). An acquire may
+// still take such a copy, and once acquired a copy is no longer protected.
+TEST_F(StoreTest, APrefetchNeverEvictsACopyAwaitingUse) {
+  build({.device_budget = 4 << 20});
+  std::vector<TensorId> ids;
+  for (int i = 0; i < 6; ++i) ids.push_back(make("t" + std::to_string(i), 1 << 20, Tier::kHost));
+  for (int i = 0; i < 4; ++i) store_->prefetch(ids[i], Tier::kDevice);
+  ASSERT_TRUE(eventually([&] {
+    for (int i = 0; i < 4; ++i) {
+      if (!store_->residency(ids[i]).valid[0]) return false;
+    }
+    return true;
+  }));
+  store_->prefetch(ids[4], Tier::kDevice);
+  ASSERT_TRUE(eventually([&] { return store_->stats().prefetches_given_up == 1; }));
+  for (int i = 0; i < 4; ++i) EXPECT_TRUE(store_->residency(ids[i]).valid[0]) << i;
+  EXPECT_FALSE(store_->residency(ids[4]).allocated[0]);
+  expect(ids[4], Tier::kDevice, 0);  // on demand: evicts one of them
+  int resident = 0;
+  for (int i = 0; i < 4; ++i) resident += store_->residency(ids[i]).valid[0];
+  EXPECT_EQ(resident, 3);
+  // Used copies go for a prefetch as before (t4 was just used, so the other one).
+  for (int i = 0; i < 4; ++i) {
+    if (store_->residency(ids[i]).valid[0]) expect(ids[i], Tier::kDevice, 0);
+  }
+  store_->prefetch(ids[5], Tier::kDevice);
+  ASSERT_TRUE(eventually([&] { return store_->residency(ids[5]).valid[0]; }));
+  EXPECT_EQ(store_->stats().prefetches_given_up, 1u);
+  expect_within_budgets();
+}
+
+// PrefetchRoom::kCleanOnly: a prefetch that could only make room by writing a dirty copy back
+// gives up and writes nothing; kAny writes it back and evicts it, and the data survives.
+TEST_F(StoreTest, ACleanOnlyPrefetchWritesNothingBack) {
+  build({.device_budget = 4 << 20});
+  std::vector<TensorId> ids;
+  for (int i = 0; i < 5; ++i) ids.push_back(make("t" + std::to_string(i), 1 << 20, Tier::kHost));
+  for (int i = 0; i < 4; ++i) write(ids[i], Tier::kDevice, 10 + i);
+  const StoreStats before = store_->stats();
+  store_->prefetch(ids[4], Tier::kDevice, PrefetchRoom::kCleanOnly);
+  ASSERT_TRUE(eventually([&] { return store_->stats().prefetches_given_up == 1; }));
+  EXPECT_EQ(store_->stats().writebacks, before.writebacks);
+  EXPECT_EQ(store_->stats().bytes_to_host, before.bytes_to_host);
+  for (int i = 0; i < 4; ++i) EXPECT_TRUE(store_->residency(ids[i]).valid[0]) << i;
+  store_->prefetch(ids[4], Tier::kDevice, PrefetchRoom::kAny);
+  ASSERT_TRUE(eventually([&] { return store_->residency(ids[4]).valid[0]; }));
+  EXPECT_EQ(store_->stats().writebacks, before.writebacks + 1);
+  for (int i = 0; i < 4; ++i) expect(ids[i], Tier::kHost, 10 + i);
+  expect_within_budgets();
+}
+
+// prefetch_in_order stops at the first copy that does not fit: the smaller ones after it, which
+// would fit, are not brought (they would take the room the first needs when its turn comes).
+TEST_F(StoreTest, PrefetchInOrderStopsAtTheFirstThatDoesNotFit) {
+  build({.device_budget = 4 << 20});
+  TensorId held = make("held", 2 << 20, Tier::kHost), big = make("big", 3 << 20, Tier::kHost);
+  TensorId s0 = make("s0", 1 << 20, Tier::kHost), s1 = make("s1", 1 << 20, Tier::kHost);
+  auto h = store_->acquire(held, Tier::kDevice);  // 2 of the 4 MiB, pinned
+  ASSERT_TRUE(h.is_ok()) << h.status().to_string();
+  store_->prefetch_in_order({{big, Tier::kDevice}, {s0, Tier::kDevice}, {s1, Tier::kDevice}},
+                            PrefetchRoom::kCleanOnly);
+  ASSERT_TRUE(eventually([&] { return store_->stats().prefetches_given_up == 1; }));
+  // The list stopped with the lock held from that give-up on: nothing after it was started.
+  EXPECT_FALSE(store_->residency(big).allocated[0]);
+  EXPECT_FALSE(store_->residency(s0).allocated[0]);
+  EXPECT_FALSE(store_->residency(s1).allocated[0]);
+  // In order, the ones that fit all come.
+  store_->prefetch_in_order({{s0, Tier::kDevice}, {s1, Tier::kDevice}}, PrefetchRoom::kCleanOnly);
+  ASSERT_TRUE(eventually(
+      [&] { return store_->residency(s0).valid[0] && store_->residency(s1).valid[0]; }));
+  h->release();
+  expect(big, Tier::kDevice, 0);
+  expect_within_budgets();
+}
+
 TEST_F(StoreTest, EverythingPinnedIsAClearOutOfMemory) {
   build({.device_budget = 2 << 20});
   TensorId a = make("a", 1 << 20, Tier::kHost), b = make("b", 1 << 20, Tier::kHost);

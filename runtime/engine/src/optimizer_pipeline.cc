@@ -264,10 +264,24 @@ Status OptimizerPipeline::update(const kernels::AdamStepArgs& args, Status& writ
     }
     if (todo.back().empty()) todo.pop_back();
   }
-  if (!todo.empty() && e_.s.pipeline_read) prefetch_pieces(todo[0]);
+  // Before each piece is updated, the reads of the rest of its group and of the next group are
+  // asked for, in the order of the walk, into the room there is: clean copies only are evicted
+  // for them (the accumulators still to be used stay, and nothing read ahead goes), and they stop
+  // at the first that does not fit, so a later one never takes the room an earlier one needs.
+  // Asked again before the next piece, once the pieces before it are written back and freed;
+  // what is still missing when its piece comes is read on demand.
   for (size_t g = 0; g < todo.size(); ++g) {
-    if (g + 1 < todo.size() && e_.s.pipeline_read) prefetch_pieces(todo[g + 1]);
-    for (size_t pi : todo[g]) ZINF_RETURN_IF_ERROR(update_piece(pi, args));
+    for (size_t k = 0; k < todo[g].size(); ++k) {
+      if (e_.s.pipeline_read) {
+        std::vector<std::pair<TensorId, Tier>> reads;
+        for (size_t j = k; j < todo[g].size(); ++j) append_reads(todo[g][j], reads);
+        if (g + 1 < todo.size()) {
+          for (size_t pi : todo[g + 1]) append_reads(pi, reads);
+        }
+        e_.store->prefetch_in_order(std::move(reads), PrefetchRoom::kCleanOnly);
+      }
+      ZINF_RETURN_IF_ERROR(update_piece(todo[g][k], args));
+    }
     if (!e_.s.pipeline_write) {
       Status wb = e_.finish_evictions();
       if (writeback.is_ok()) writeback = std::move(wb);
@@ -293,7 +307,7 @@ void OptimizerPipeline::read_ahead() {
     for (size_t pi : group) {
       if (!e_.unit_states[e_.pieces[pi].unit].grads_final) return;
     }
-    prefetch_pieces(group);
+    prefetch_pieces(group, PrefetchRoom::kCleanOnly);
     ++walk_prefetched_;
   }
 }
@@ -412,17 +426,26 @@ Status OptimizerPipeline::update_piece(size_t pi, const kernels::AdamStepArgs& a
 }
 
 // Starts bringing a piece's optimizer state (and its unit's parameters) to where the update runs.
-void OptimizerPipeline::prefetch_piece(size_t pi) {
+void OptimizerPipeline::prefetch_piece(size_t pi, PrefetchRoom room) {
   const PieceState& p = e_.pieces[pi];
   const UnitState& st = e_.unit_states[p.unit];
   const Tier tier = EngineState::compute_tier(st);
   for (TensorId id : {p.m, p.v, p.master, st.params, p.acc}) {
-    if (id != kNoTensor) e_.store->prefetch(id, tier);
+    if (id != kNoTensor) e_.store->prefetch(id, tier, room);
   }
 }
 
-void OptimizerPipeline::prefetch_pieces(const std::vector<size_t>& which) {
-  for (size_t pi : which) prefetch_piece(pi);
+void OptimizerPipeline::append_reads(size_t pi, std::vector<std::pair<TensorId, Tier>>& reads) {
+  const PieceState& p = e_.pieces[pi];
+  const UnitState& st = e_.unit_states[p.unit];
+  const Tier tier = EngineState::compute_tier(st);
+  for (TensorId id : {st.params, p.master, p.m, p.v, p.acc}) {  // as update_piece() takes them
+    if (id != kNoTensor) reads.emplace_back(id, tier);
+  }
+}
+
+void OptimizerPipeline::prefetch_pieces(const std::vector<size_t>& which, PrefetchRoom room) {
+  for (size_t pi : which) prefetch_piece(pi, room);
 }
 
 }  // namespace zinf::engine_detail

@@ -79,8 +79,10 @@ class OptimizerPipeline {
 
  private:
   Status update_piece(size_t pi, const kernels::AdamStepArgs& args);
-  void prefetch_piece(size_t pi);
-  void prefetch_pieces(const std::vector<size_t>& which);
+  void prefetch_piece(size_t pi, PrefetchRoom room = PrefetchRoom::kAny);
+  void prefetch_pieces(const std::vector<size_t>& which, PrefetchRoom room = PrefetchRoom::kAny);
+  // The copies update_piece() acquires for piece `pi`, in its order.
+  void append_reads(size_t pi, std::vector<std::pair<TensorId, Tier>>& reads);
   void read_ahead();
   void start_early_update(size_t u);
   Status zero(const TensorHandle& h);

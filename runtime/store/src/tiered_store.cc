@@ -22,6 +22,7 @@ struct Job {
   bool done = false;
   Status status;
   bool demanded = false;  // an acquire waits for it (a prefetch alone is a hint)
+  PrefetchRoom room = PrefetchRoom::kAny;  // what the prefetch may evict (until demanded)
 };
 
 struct Copy {
@@ -39,6 +40,7 @@ struct Copy {
   void* ptr = nullptr;            // device or host data; null for NVMe
   std::shared_ptr<Job> incoming;  // a move filling this copy
   uint64_t last_use = 0;
+  bool awaiting = false;  // brought by a prefetch, not acquired since
 
   // Something holds or moves these bytes: the copy may be neither dropped nor freed now.
   bool busy() const { return pins > 0 || reads > 0 || incoming || writing_back; }
@@ -75,6 +77,7 @@ struct TieredTensorStore::Impl {
   std::vector<std::unique_ptr<Tensor>> tensors;  // index: TensorId; null once destroyed
   uint64_t clock = 0;
   StoreStats stats;
+  uint64_t ordered_generation = 0;  // bumped by each prefetch_in_order(): older ones stop
 
   // Mover threads.
   std::deque<std::function<void()>> jobs;
@@ -267,6 +270,7 @@ struct TieredTensorStore::Impl {
     c.ptr = nullptr;
     c.allocated = false;
     c.valid = false;
+    c.awaiting = false;
   }
 
   Status allocate_storage(Tensor& t, Tier tier) {
@@ -291,11 +295,13 @@ struct TieredTensorStore::Impl {
     return Status::ok();
   }
 
-  // Picks the copy in `tier` to drop: clean before dirty, then farthest next use, then least
-  // recently used. Returns the tensor id or -1.
-  int64_t pick_victim(Tier tier) const {
+  // Picks the copy in `tier` to drop: clean before dirty, copies awaiting use after the others,
+  // then farthest next use, then least recently used. For a prefetch (`for_prefetch`), only
+  // copies it may take: none awaiting use, no dirty one with PrefetchRoom::kCleanOnly. Returns
+  // the tensor id or -1.
+  int64_t pick_victim(Tier tier, const Job* for_prefetch = nullptr) const {
     int64_t best = -1;
-    std::tuple<bool, uint64_t, uint64_t> best_key;
+    std::tuple<bool, bool, uint64_t, uint64_t> best_key;
     for (size_t id = 0; id < tensors.size(); ++id) {
       const Tensor* t = tensors[id].get();
       if (t == nullptr || t->spec.home == tier) continue;
@@ -305,8 +311,12 @@ struct TieredTensorStore::Impl {
       // the mover doing this eviction: leave such copies alone.
       if (t->copies[idx(t->spec.home)].incoming) continue;
       bool dirty = only_valid_copy(*t, tier);
+      if (for_prefetch != nullptr &&
+          (c.awaiting || (dirty && for_prefetch->room == PrefetchRoom::kCleanOnly))) {
+        continue;
+      }
       // Smaller key = better victim.
-      auto key = std::make_tuple(dirty, kUnknownUse - t->next_use, c.last_use);
+      auto key = std::make_tuple(dirty, c.awaiting, kUnknownUse - t->next_use, c.last_use);
       if (best < 0 || key < best_key) {
         best = static_cast<int64_t>(id);
         best_key = key;
@@ -376,9 +386,11 @@ struct TieredTensorStore::Impl {
     return Status::ok();
   }
 
-  // Drops one unpinned copy from `tier` to make room. kOutOfMemory when nothing can go.
-  Status evict_one(std::unique_lock<std::mutex>& lk, Tier tier) {
-    int64_t victim = pick_victim(tier);
+  // Drops one unpinned copy from `tier` to make room (one a prefetch may take, for a prefetch
+  // job). kOutOfMemory when nothing can go.
+  Status evict_one(std::unique_lock<std::mutex>& lk, Tier tier,
+                   const Job* for_prefetch = nullptr) {
+    int64_t victim = pick_victim(tier, for_prefetch);
     if (victim < 0) {
       return make_error(ErrorCode::kOutOfMemory, "every resident copy in the {} tier is in use",
                         tier_name(tier));
@@ -387,15 +399,22 @@ struct TieredTensorStore::Impl {
   }
 
   // Gives tensor `id` storage in `tier`, evicting others under the budget. Unlocks while
-  // writing victims back.
-  Status make_copy_storage(std::unique_lock<std::mutex>& lk, TensorId id, Tier tier) {
+  // writing victims back. For a move that only a prefetch wants (`job` not demanded), only what
+  // a prefetch may evict: kUnavailable when that is not enough (an acquire joining meanwhile
+  // lifts the limit at the next victim).
+  Status make_copy_storage(std::unique_lock<std::mutex>& lk, TensorId id, Tier tier,
+                           const Job* job = nullptr) {
     while (true) {
       Tensor* t = get(id);
       Status s = allocate_storage(*t, tier);
       if (s.is_ok() || s.code() != ErrorCode::kOutOfMemory) {
         return s.is_ok() ? s : std::move(s).with_context("tensor " + t->spec.name);
       }
-      Status e = evict_one(lk, tier);
+      const Job* for_prefetch = job != nullptr && !job->demanded ? job : nullptr;
+      Status e = evict_one(lk, tier, for_prefetch);
+      if (e.code() == ErrorCode::kOutOfMemory && for_prefetch != nullptr) {
+        return make_error(ErrorCode::kUnavailable, "no room a prefetch may take");
+      }
       if (e.code() == ErrorCode::kOutOfMemory) {
         return std::move(s).with_context(fmt::format(
             "tensor {} ({}) does not fit in the {} tier and every resident copy is in use",
@@ -416,7 +435,14 @@ struct TieredTensorStore::Impl {
   // held; unlocks while data moves.
   Status move(std::unique_lock<std::mutex>& lk, TensorId id, Tier dst, const Job& job) {
     Tensor* t = get(id);
-    if (!t->copies[idx(dst)].allocated) ZINF_RETURN_IF_ERROR(make_copy_storage(lk, id, dst));
+    if (!t->copies[idx(dst)].allocated) {
+      Status room = make_copy_storage(lk, id, dst, &job);
+      if (room.code() == ErrorCode::kUnavailable) {  // a prefetch gave up: not an error
+        ++stats.prefetches_given_up;
+        return Status::ok();
+      }
+      ZINF_RETURN_IF_ERROR(room);
+    }
     t = get(id);
     Copy& d = t->copies[idx(dst)];
     if (d.valid) return Status::ok();
@@ -454,11 +480,13 @@ struct TieredTensorStore::Impl {
       return Status::ok();
     }
     d.valid = true;
+    d.awaiting = !job.demanded;
     return Status::ok();
   }
 
   // Starts a move into `tier` unless the copy is valid or already coming. Lock held.
-  std::shared_ptr<Job> start_move(TensorId id, Tier tier, MoveFor why) {
+  std::shared_ptr<Job> start_move(TensorId id, Tier tier, MoveFor why,
+                                  PrefetchRoom room = PrefetchRoom::kAny) {
     Copy& c = tensors[id]->copies[idx(tier)];
     const bool demanded = why == MoveFor::kAcquire;
     if (c.incoming) {
@@ -468,6 +496,7 @@ struct TieredTensorStore::Impl {
     if (c.valid) return nullptr;
     auto job = std::make_shared<Job>();
     job->demanded = demanded;
+    job->room = room;
     c.incoming = job;
     {
       std::lock_guard jl(jobs_mu);
@@ -726,7 +755,7 @@ Result<DeviceBuffer> TieredTensorStore::allocate_device(uint64_t bytes, MemoryCa
   }
 }
 
-void TieredTensorStore::prefetch(TensorId id, Tier tier) {
+void TieredTensorStore::prefetch(TensorId id, Tier tier, PrefetchRoom room) {
   Impl& s = *impl_;
   if (tier == Tier::kNvme) return;
   std::lock_guard lk(s.mu);
@@ -735,7 +764,50 @@ void TieredTensorStore::prefetch(TensorId id, Tier tier) {
   const Copy& c = t->copies[idx(tier)];
   // Nothing is copied out of a copy in use on its own: its holder may be writing it.
   if (!c.valid && !c.incoming && t->copies[idx(Impl::source_for(*t, tier))].pins > 0) return;
-  s.start_move(id, tier, MoveFor::kPrefetch);
+  s.start_move(id, tier, MoveFor::kPrefetch, room);
+}
+
+void TieredTensorStore::prefetch_in_order(std::vector<std::pair<TensorId, Tier>> copies,
+                                          PrefetchRoom room) {
+  Impl& s = *impl_;
+  if (copies.empty()) return;
+  uint64_t generation;
+  {
+    std::lock_guard lk(s.mu);
+    generation = ++s.ordered_generation;
+  }
+  {
+    std::lock_guard jl(s.jobs_mu);
+    s.jobs.push_back([this, copies = std::move(copies), room, generation] {
+      Impl& s = *impl_;
+      std::unique_lock lk(s.mu);
+      for (const auto& [id, tier] : copies) {
+        if (s.ordered_generation != generation) return;  // a newer list took over
+        Tensor* t = s.get(id);
+        if (tier == Tier::kNvme || t == nullptr || t->creating) continue;
+        Copy& c = t->copies[idx(tier)];
+        if (c.valid || c.incoming) continue;  // there, or coming (with its storage, or demanded)
+        // Its source is in use (its holder may be writing it): not now, nor anything after it.
+        if (t->copies[idx(Impl::source_for(*t, tier))].pins > 0) return;
+        auto job = std::make_shared<Job>();
+        job->room = room;
+        c.incoming = job;
+        Status st = s.move(lk, id, tier, *job);
+        t = s.get(id);
+        const bool landed = t != nullptr && t->copies[idx(tier)].valid;
+        if (t != nullptr && t->copies[idx(tier)].incoming == job) {
+          t->copies[idx(tier)].incoming.reset();
+        }
+        job->status = std::move(st);
+        job->done = true;
+        s.cv.notify_all();
+        // No room it may take (or an error, which the acquire that needs it reports): the
+        // copies after this one wait, or they would take room this one needs first.
+        if (!landed) return;
+      }
+    });
+  }
+  s.jobs_cv.notify_one();
 }
 
 Result<TensorHandle> TieredTensorStore::acquire(TensorId id, Tier tier, Access access) {
@@ -784,6 +856,7 @@ Result<TensorHandle> TieredTensorStore::acquire(TensorId id, Tier tier, Access a
     }
     if (c.valid && !c.incoming) {
       ++c.pins;
+      c.awaiting = false;
       c.last_use = ++s.clock;
       TensorHandle h;
       h.store_ = this;

@@ -4,7 +4,9 @@
 // Contract
 //  - create() allocates the home storage, zero-filled, valid. The home is never evicted.
 //  - prefetch(id, tier) starts making the tier hold a valid copy and returns at once; errors of a
-//    prefetch are reported by the acquire() that needs it.
+//    prefetch are reported by the acquire() that needs it. A prefetch is a hint: where the tier
+//    has no room for it, it evicts only what it may (below) and otherwise gives up (no copy, no
+//    error); the acquire then fetches on demand.
 //  - acquire(id, tier) returns a handle whose data() stays valid and resident in `tier` until
 //    the handle is released (destroyed); it waits only for what is still in flight: a move into
 //    that copy, and the store's own copies out of it (a write-back, a move into another tier),
@@ -21,9 +23,13 @@
 //    announces its writes (mark_dirty first, or kOverwrite) before making them.
 //  - When a tier is over its budget (the Device's budget for kDevice, the PinnedPool's for
 //    kHost) copies that are not pinned are dropped: clean ones first, dirty ones after being
-//    written back to their home; victims are chosen by farthest next use (set_next_use) when
-//    known, least recently used otherwise. Nothing pinned is ever evicted; if everything is,
-//    acquire fails with kOutOfMemory naming the tensor, the tier and the budget.
+//    written back to their home; copies that a prefetch brought and nobody has acquired since
+//    ("awaiting use") after the other clean ones; within each kind by farthest next use
+//    (set_next_use) when known, least recently used otherwise. Nothing pinned is ever evicted; if
+//    everything is, acquire fails with kOutOfMemory naming the tensor, the tier and the budget.
+//    A prefetch never evicts a copy awaiting use (prefetches are issued in the order of use, so
+//    that copy is needed before the one being fetched: evicting it only reads it twice), and with
+//    PrefetchRoom::kCleanOnly it evicts no dirty copy either (no write-back on its account).
 //  - Moves: NVMe -> device and device -> NVMe go through `staging_buffers` pinned staging
 //    buffers in pieces of `staging_bytes`, so the NVMe transfers of the next pieces overlap the
 //    copy of the current one; host <-> NVMe moves read and write the host copy directly.
@@ -37,6 +43,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "zinf/core/status.h"
@@ -74,6 +81,13 @@ struct StoreOptions {
   std::string trace_name = "store";  // prefix of this store's tracks in a trace (e.g. "rank0")
 };
 
+// What a prefetch may evict to make room for its copy (beside copies awaiting use, which it never
+// evicts).
+enum class PrefetchRoom : uint8_t {
+  kAny,        // clean copies, and dirty ones after writing them back (as an acquire)
+  kCleanOnly,  // clean copies only: a prefetch that would cost a write-back gives up instead
+};
+
 struct StoreStats {
   uint64_t moves = 0;  // copies produced
   uint64_t bytes_to_device = 0;
@@ -84,6 +98,7 @@ struct StoreStats {
   uint64_t writebacks = 0;      // dirty copies written to their home
   uint64_t stale_discards = 0;  // moves whose result was outdated by a write meanwhile
   uint64_t discards = 0;        // dirty copies dropped unwritten by discard() (dead contents)
+  uint64_t prefetches_given_up = 0;  // prefetches that found no room they were allowed to take
 };
 
 struct Residency {
@@ -139,7 +154,12 @@ class TieredTensorStore {
   Result<DeviceBuffer> allocate_device(uint64_t bytes, MemoryCategory category,
                                        const std::string& what);
 
-  void prefetch(TensorId id, Tier tier);
+  void prefetch(TensorId id, Tier tier, PrefetchRoom room = PrefetchRoom::kAny);
+  // Prefetches `copies` (tensor, tier) one after another on one mover, in the order given, and
+  // stops at the first that finds no room it may take: a later, smaller one must not take the
+  // room an earlier one (needed sooner) would then have to evict it for. A newer call supersedes
+  // an older one that has not finished (it stops before its next copy).
+  void prefetch_in_order(std::vector<std::pair<TensorId, Tier>> copies, PrefetchRoom room);
   Result<TensorHandle> acquire(TensorId id, Tier tier, Access access = Access::kRead);
   // Drops the copy in `tier` (not the home), writing it back first when it is the only valid one.
   // Waits for the store's own moves into or out of that copy; a copy pinned by a handle is an
