@@ -311,12 +311,13 @@ struct TieredTensorStore::Impl {
       // the mover doing this eviction: leave such copies alone.
       if (t->copies[idx(t->spec.home)].incoming) continue;
       bool dirty = only_valid_copy(*t, tier);
+      const bool awaiting = c.awaiting && c.valid;  // (a stale copy awaits nothing)
       if (for_prefetch != nullptr &&
-          (c.awaiting || (dirty && for_prefetch->room == PrefetchRoom::kCleanOnly))) {
+          (awaiting || (dirty && for_prefetch->room == PrefetchRoom::kCleanOnly))) {
         continue;
       }
       // Smaller key = better victim.
-      auto key = std::make_tuple(dirty, c.awaiting, kUnknownUse - t->next_use, c.last_use);
+      auto key = std::make_tuple(dirty, awaiting, kUnknownUse - t->next_use, c.last_use);
       if (best < 0 || key < best_key) {
         best = static_cast<int64_t>(id);
         best_key = key;
