@@ -103,6 +103,7 @@ void OptimizerPipeline::set_plan(const sched::SubGroupPlan& plan, uint64_t accum
   sums_.assign(plan.pieces.size(), Sums{});
   walk_.clear();
   for (size_t g = 0; g < groups_.size(); ++g) walk_.push_back(g);
+  rank_walk();
   uint64_t largest_group = 0;  // elements
   for (const auto& g : groups_) {
     uint64_t n = 0;
@@ -156,6 +157,14 @@ void OptimizerPipeline::plan_walk() {
   }
   std::stable_sort(walk_.begin(), walk_.end(),
                    [&](size_t a, size_t b) { return ready[a] < ready[b]; });
+  rank_walk();
+}
+
+void OptimizerPipeline::rank_walk() {
+  walk_rank_.assign(e_.pieces.size(), 0);
+  for (size_t r = 0; r < walk_.size(); ++r) {
+    for (size_t pi : groups_[walk_[r]]) walk_rank_[pi] = r;
+  }
 }
 
 Status OptimizerPipeline::zero(const TensorHandle& h) {
@@ -207,6 +216,15 @@ Status OptimizerPipeline::record_sums(size_t pi, const TensorHandle& acc, uint64
   Sums& s = sums_[pi];
   s.valid = false;
   if (updates_early()) return Status::ok();  // no norm is taken
+  // The accumulator's next use is the update walk, after this step's trace, in walk order: when
+  // the host budget cannot keep every accumulator until then, the ones used last are written
+  // out (farthest next use), and the walk starts with its first accumulators in memory, whose
+  // room it gets back as it goes.
+  if (pi < walk_rank_.size() && e_.sched->following()) {
+    const uint64_t trace = e_.sched->trace().size();
+    e_.store->set_next_use(e_.pieces[pi].acc,
+                           (static_cast<uint64_t>(e_.steps) + 1) * trace + walk_rank_[pi]);
+  }
   s.factor = combined_scale();
   ZINF_RETURN_IF_ERROR(
       piece_block_sums(e_, stream, e_.pieces[pi], acc, acc_base, s.factor, s.blocks));

@@ -91,6 +91,8 @@ class OptimizerPipeline {
   const LossScaler& scaler_;
   std::vector<std::vector<size_t>> groups_;  // sub-groups of pieces, in declaration order
   std::vector<size_t> walk_;                 // the order step() walks the groups in
+  std::vector<size_t> walk_rank_;            // per piece, its group's place in walk_
+  void rank_walk();
   size_t walk_prefetched_ = 0;  // groups of walk_ whose state was read ahead during backward
   static constexpr size_t kGroupsReadDuringBackward = 2;
   // Whether those reads fit beside the accumulators the backward pass fills: when they do not,
