@@ -581,6 +581,64 @@ TEST_F(StoreTest, PrefetchInOrderStopsAtTheFirstThatDoesNotFit) {
   expect_within_budgets();
 }
 
+// A prefetch that could not get its room even by evicting everything it may take evicts nothing:
+// giving up after dropping copies would lose them for nothing.
+TEST_F(StoreTest, APrefetchThatCannotFitEvictsNothing) {
+  build({.device_budget = 4 << 20});
+  TensorId held = make("held", 2 << 20, Tier::kHost), big = make("big", 3 << 20, Tier::kHost);
+  TensorId c0 = make("c0", 1 << 20, Tier::kHost), c1 = make("c1", 1 << 20, Tier::kHost);
+  expect(c0, Tier::kDevice, 0);  // used and released: clean copies a prefetch may take
+  expect(c1, Tier::kDevice, 0);
+  auto h = store_->acquire(held, Tier::kDevice);
+  ASSERT_TRUE(h.is_ok()) << h.status().to_string();
+  store_->prefetch(big, Tier::kDevice, PrefetchRoom::kCleanOnly);  // 3 MiB: at most 2 to take
+  ASSERT_TRUE(eventually([&] { return store_->stats().prefetches_given_up == 1; }));
+  EXPECT_TRUE(store_->residency(c0).valid[0]);
+  EXPECT_TRUE(store_->residency(c1).valid[0]);
+  EXPECT_FALSE(store_->residency(big).allocated[0]);
+  h->release();
+  expect(big, Tier::kDevice, 0);  // on demand it takes what it needs
+  expect_within_budgets();
+}
+
+// A copy already in the tier when an ordered list comes to it is kept for its use like one the
+// list brought: the list's later copies do not evict it.
+TEST_F(StoreTest, PrefetchInOrderKeepsTheCopiesAlreadyThere) {
+  build({.device_budget = 4 << 20});
+  std::vector<TensorId> ids;
+  for (int i = 0; i < 5; ++i) ids.push_back(make("t" + std::to_string(i), 1 << 20, Tier::kHost));
+  expect(ids[0], Tier::kDevice, 0);
+  expect(ids[1], Tier::kDevice, 0);
+  std::vector<std::pair<TensorId, Tier>> list;
+  for (TensorId id : ids) list.emplace_back(id, Tier::kDevice);
+  store_->prefetch_in_order(std::move(list), PrefetchRoom::kCleanOnly);
+  ASSERT_TRUE(eventually([&] { return store_->stats().prefetches_given_up == 1; }));
+  for (int i = 0; i < 4; ++i) EXPECT_TRUE(store_->residency(ids[i]).valid[0]) << i;
+  EXPECT_FALSE(store_->residency(ids[4]).allocated[0]);
+  expect_within_budgets();
+}
+
+// When an acquire must evict a copy awaiting use, it takes the one read ahead last: read ahead
+// in the order of use, it is the one needed last.
+TEST_F(StoreTest, AnAcquireEvictsTheCopyReadAheadLast) {
+  build({.device_budget = 4 << 20});
+  std::vector<TensorId> ids;
+  for (int i = 0; i < 5; ++i) ids.push_back(make("t" + std::to_string(i), 1 << 20, Tier::kHost));
+  std::vector<std::pair<TensorId, Tier>> list;
+  for (int i = 0; i < 4; ++i) list.emplace_back(ids[i], Tier::kDevice);
+  store_->prefetch_in_order(std::move(list), PrefetchRoom::kCleanOnly);
+  ASSERT_TRUE(eventually([&] {
+    for (int i = 0; i < 4; ++i) {
+      if (!store_->residency(ids[i]).valid[0]) return false;
+    }
+    return true;
+  }));
+  expect(ids[4], Tier::kDevice, 0);
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(store_->residency(ids[i]).valid[0]) << i;
+  EXPECT_FALSE(store_->residency(ids[3]).valid[0]);
+  expect_within_budgets();
+}
+
 TEST_F(StoreTest, EverythingPinnedIsAClearOutOfMemory) {
   build({.device_budget = 2 << 20});
   TensorId a = make("a", 1 << 20, Tier::kHost), b = make("b", 1 << 20, Tier::kHost);

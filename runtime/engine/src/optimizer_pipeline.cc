@@ -287,7 +287,12 @@ Status OptimizerPipeline::update(const kernels::AdamStepArgs& args, Status& writ
   // for them (the accumulators still to be used stay, and nothing read ahead goes), and they stop
   // at the first that does not fit, so a later one never takes the room an earlier one needs.
   // Asked again before the next piece, once the pieces before it are written back and freed;
-  // what is still missing when its piece comes is read on demand.
+  // what is still missing when its piece comes is read on demand. When the walk ends (or fails)
+  // the last list stops: whatever it still has to read is done with.
+  struct StopReads {
+    TieredTensorStore& store;
+    ~StopReads() { store.prefetch_in_order({}, PrefetchRoom::kCleanOnly); }
+  } stop_reads{*e_.store};
   for (size_t g = 0; g < todo.size(); ++g) {
     for (size_t k = 0; k < todo[g].size(); ++k) {
       if (e_.s.pipeline_read) {
@@ -435,6 +440,8 @@ Status OptimizerPipeline::update_piece(size_t pi, const kernels::AdamStepArgs& a
       // the eviction below then takes it once free (a no-op after a discard).
       ZINF_RETURN_IF_ERROR(e_.discard_offloaded(p.acc, st.opt_home, tier));
       e_.release_offloaded(p.acc, st.opt_home, tier);
+      e_.store->clear_next_use(p.acc);  // the walk position set in record_sums() is past
+
     }
   }
   if (e_.policy.sharded_params && unit_done) {

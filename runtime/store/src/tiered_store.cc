@@ -23,6 +23,7 @@ struct Job {
   Status status;
   bool demanded = false;  // an acquire waits for it (a prefetch alone is a hint)
   PrefetchRoom room = PrefetchRoom::kAny;  // what the prefetch may evict (until demanded)
+  bool gave_up = false;  // a prefetch found no room it may take: nothing moved, not an error
 };
 
 struct Copy {
@@ -39,7 +40,7 @@ struct Copy {
   PinnedBuffer host;
   void* ptr = nullptr;            // device or host data; null for NVMe
   std::shared_ptr<Job> incoming;  // a move filling this copy
-  uint64_t last_use = 0;
+  uint64_t last_use = 0;  // clock of the last acquire (of the arrival, while awaiting use)
   bool awaiting = false;  // brought by a prefetch, not acquired since
 
   // Something holds or moves these bytes: the copy may be neither dropped nor freed now.
@@ -53,6 +54,7 @@ struct Tensor {
   io::ExtentId extent = 0;
   Copy copies[kNumTiers];
   uint64_t next_use = kUnknownUse;
+  uint64_t last_acquired = 0;  // clock of the last acquire of any of its copies
   bool creating = false;  // published while its home storage is being placed: not usable yet
 };
 
@@ -304,26 +306,56 @@ struct TieredTensorStore::Impl {
     std::tuple<bool, bool, uint64_t, uint64_t> best_key;
     for (size_t id = 0; id < tensors.size(); ++id) {
       const Tensor* t = tensors[id].get();
-      if (t == nullptr || t->spec.home == tier) continue;
+      if (!may_evict(t, tier, for_prefetch)) continue;
       const Copy& c = t->copies[idx(tier)];
-      if (!c.allocated || c.busy()) continue;
-      // A dirty copy's write-back would wait for a move into its home that may be queued behind
-      // the mover doing this eviction: leave such copies alone.
-      if (t->copies[idx(t->spec.home)].incoming) continue;
-      bool dirty = only_valid_copy(*t, tier);
+      const bool dirty = only_valid_copy(*t, tier);
       const bool awaiting = c.awaiting && c.valid;  // (a stale copy awaits nothing)
-      if (for_prefetch != nullptr &&
-          (awaiting || (dirty && for_prefetch->room == PrefetchRoom::kCleanOnly))) {
-        continue;
-      }
-      // Smaller key = better victim.
-      auto key = std::make_tuple(dirty, awaiting, kUnknownUse - t->next_use, c.last_use);
+      // Smaller key = better victim. Among copies awaiting use, the one that came last: they
+      // were read ahead in the order of use, so it is needed last.
+      auto key = std::make_tuple(dirty, awaiting, kUnknownUse - t->next_use,
+                                 awaiting ? kUnknownUse - c.last_use : c.last_use);
       if (best < 0 || key < best_key) {
         best = static_cast<int64_t>(id);
         best_key = key;
       }
     }
     return best;
+  }
+
+  // Whether tensor `t`'s copy in `tier` may be dropped now (by a prefetch: see pick_victim()).
+  bool may_evict(const Tensor* t, Tier tier, const Job* for_prefetch) const {
+    if (t == nullptr || t->spec.home == tier) return false;
+    const Copy& c = t->copies[idx(tier)];
+    if (!c.allocated || c.busy()) return false;
+    // A dirty copy's write-back would wait for a move into its home that may be queued behind
+    // the mover doing this eviction: leave such copies alone.
+    if (t->copies[idx(t->spec.home)].incoming) return false;
+    if (for_prefetch == nullptr) return true;
+    if (c.awaiting && c.valid) return false;
+    return !(for_prefetch->room == PrefetchRoom::kCleanOnly && only_valid_copy(*t, tier));
+  }
+
+  // Whether `bytes` could be had in `tier` by evicting what a prefetch may take: the room left
+  // under the budget plus those copies. Checked before a prefetch evicts anything, so one that
+  // would give up anyway takes nothing from the others. (An estimate: an allocator's rounding
+  // can still make it give up later.)
+  bool prefetch_room_reachable(Tier tier, uint64_t bytes, const Job* for_prefetch) const {
+    uint64_t budget = 0, in_use = 0;
+    if (tier == Tier::kDevice && o.device != nullptr) {
+      budget = o.device->budget_bytes();
+      in_use = o.device->bytes_in_use();
+    } else if (tier == Tier::kHost && o.host != nullptr) {
+      budget = o.host->budget_bytes();
+      in_use = o.host->stats().bytes_in_use;
+    } else {
+      return true;
+    }
+    uint64_t room = budget > in_use ? budget - in_use : 0;
+    for (const auto& t : tensors) {
+      if (room >= bytes) return true;
+      if (may_evict(t.get(), tier, for_prefetch)) room += t->padded;
+    }
+    return room >= bytes;
   }
 
   // Writes the valid copy in `tier` back to the (stale) home. Unlocks while the data moves.
@@ -401,10 +433,12 @@ struct TieredTensorStore::Impl {
 
   // Gives tensor `id` storage in `tier`, evicting others under the budget. Unlocks while
   // writing victims back. For a move that only a prefetch wants (`job` not demanded), only what
-  // a prefetch may evict: kUnavailable when that is not enough (an acquire joining meanwhile
-  // lifts the limit at the next victim).
+  // a prefetch may evict: when that is not enough, nothing is evicted (as far as can be told
+  // beforehand), `job->gave_up` is set and no storage is made. An acquire joining meanwhile
+  // lifts the limit at the next victim.
   Status make_copy_storage(std::unique_lock<std::mutex>& lk, TensorId id, Tier tier,
-                           const Job* job = nullptr) {
+                           Job* job = nullptr) {
+    bool checked_room = false;
     while (true) {
       Tensor* t = get(id);
       Status s = allocate_storage(*t, tier);
@@ -412,9 +446,17 @@ struct TieredTensorStore::Impl {
         return s.is_ok() ? s : std::move(s).with_context("tensor " + t->spec.name);
       }
       const Job* for_prefetch = job != nullptr && !job->demanded ? job : nullptr;
+      if (for_prefetch != nullptr && !checked_room) {
+        checked_room = true;
+        if (!prefetch_room_reachable(tier, t->padded, for_prefetch)) {
+          job->gave_up = true;
+          return Status::ok();
+        }
+      }
       Status e = evict_one(lk, tier, for_prefetch);
       if (e.code() == ErrorCode::kOutOfMemory && for_prefetch != nullptr) {
-        return make_error(ErrorCode::kUnavailable, "no room a prefetch may take");
+        job->gave_up = true;
+        return Status::ok();
       }
       if (e.code() == ErrorCode::kOutOfMemory) {
         return std::move(s).with_context(fmt::format(
@@ -434,15 +476,14 @@ struct TieredTensorStore::Impl {
 
   // Makes tensor `id`'s copy in `dst` valid, for `job`. Runs on a mover thread with the lock
   // held; unlocks while data moves.
-  Status move(std::unique_lock<std::mutex>& lk, TensorId id, Tier dst, const Job& job) {
+  Status move(std::unique_lock<std::mutex>& lk, TensorId id, Tier dst, Job& job) {
     Tensor* t = get(id);
     if (!t->copies[idx(dst)].allocated) {
-      Status room = make_copy_storage(lk, id, dst, &job);
-      if (room.code() == ErrorCode::kUnavailable) {  // a prefetch gave up: not an error
+      ZINF_RETURN_IF_ERROR(make_copy_storage(lk, id, dst, &job));
+      if (job.gave_up) {  // a prefetch with no room it may take: not an error
         ++stats.prefetches_given_up;
         return Status::ok();
       }
-      ZINF_RETURN_IF_ERROR(room);
     }
     t = get(id);
     Copy& d = t->copies[idx(dst)];
@@ -482,6 +523,7 @@ struct TieredTensorStore::Impl {
     }
     d.valid = true;
     d.awaiting = !job.demanded;
+    if (d.awaiting) d.last_use = ++clock;  // its arrival (see pick_victim())
     return Status::ok();
   }
 
@@ -771,23 +813,31 @@ void TieredTensorStore::prefetch(TensorId id, Tier tier, PrefetchRoom room) {
 void TieredTensorStore::prefetch_in_order(std::vector<std::pair<TensorId, Tier>> copies,
                                           PrefetchRoom room) {
   Impl& s = *impl_;
-  if (copies.empty()) return;
-  uint64_t generation;
+  uint64_t generation, issued;
   {
     std::lock_guard lk(s.mu);
     generation = ++s.ordered_generation;
+    issued = s.clock;
   }
+  if (copies.empty()) return;  // (the older list stops all the same)
   {
     std::lock_guard jl(s.jobs_mu);
-    s.jobs.push_back([this, copies = std::move(copies), room, generation] {
+    s.jobs.push_back([this, copies = std::move(copies), room, generation, issued] {
       Impl& s = *impl_;
       std::unique_lock lk(s.mu);
       for (const auto& [id, tier] : copies) {
         if (s.ordered_generation != generation) return;  // a newer list took over
         Tensor* t = s.get(id);
         if (tier == Tier::kNvme || t == nullptr || t->creating) continue;
+        // Used since the list was asked for: whoever needed it fetched it (reading it again now,
+        // after it may have been written out or dropped, would be a wasted read).
+        if (t->last_acquired > issued) continue;
         Copy& c = t->copies[idx(tier)];
-        if (c.valid || c.incoming) continue;  // there, or coming (with its storage, or demanded)
+        if (c.incoming) continue;  // coming (with its storage, or demanded)
+        if (c.valid) {  // already there: kept for its use like a copy read ahead
+          c.awaiting = true;
+          continue;
+        }
         // Its source is in use (its holder may be writing it): not now, nor anything after it.
         if (t->copies[idx(Impl::source_for(*t, tier))].pins > 0) return;
         auto job = std::make_shared<Job>();
@@ -859,6 +909,7 @@ Result<TensorHandle> TieredTensorStore::acquire(TensorId id, Tier tier, Access a
       ++c.pins;
       c.awaiting = false;
       c.last_use = ++s.clock;
+      t->last_acquired = c.last_use;
       TensorHandle h;
       h.store_ = this;
       h.id_ = id;
@@ -1015,6 +1066,8 @@ void TieredTensorStore::set_next_use(TensorId id, uint64_t tick) {
   std::lock_guard lk(impl_->mu);
   if (Tensor* t = impl_->get(id)) t->next_use = tick;
 }
+
+void TieredTensorStore::clear_next_use(TensorId id) { set_next_use(id, kUnknownUse); }
 
 const TensorSpec& TieredTensorStore::spec(TensorId id) const {
   std::lock_guard lk(impl_->mu);

@@ -157,8 +157,10 @@ class TieredTensorStore {
   void prefetch(TensorId id, Tier tier, PrefetchRoom room = PrefetchRoom::kAny);
   // Prefetches `copies` (tensor, tier) one after another on one mover, in the order given, and
   // stops at the first that finds no room it may take: a later, smaller one must not take the
-  // room an earlier one (needed sooner) would then have to evict it for. A newer call supersedes
-  // an older one that has not finished (it stops before its next copy).
+  // room an earlier one (needed sooner) would then have to evict it for. A copy acquired since
+  // the call is passed over (its user fetched it); one already there counts as awaiting use. A
+  // newer call supersedes an older one that has not finished (it stops before its next copy); an
+  // empty list only stops the older one.
   void prefetch_in_order(std::vector<std::pair<TensorId, Tier>> copies, PrefetchRoom room);
   Result<TensorHandle> acquire(TensorId id, Tier tier, Access access = Access::kRead);
   // Drops the copy in `tier` (not the home), writing it back first when it is the only valid one.
@@ -180,6 +182,9 @@ class TieredTensorStore {
   Status flush_all();
   // Scheduling hint: the tick at which the tensor will next be used (larger = later).
   void set_next_use(TensorId id, uint64_t tick);
+  // Forgets that hint: the next use is unknown again (such copies are evicted first, least
+  // recently used first).
+  void clear_next_use(TensorId id);
 
   const TensorSpec& spec(TensorId id) const;
   uint64_t padded_bytes(TensorId id) const;
