@@ -82,6 +82,32 @@ TEST(Schedule, PrefetchAndReuseFollowTheTraceAndKeepTheBits) {
   EXPECT_EQ(kept.schedule[0].gathers_on_demand, 4u);
 }
 
+// One rank with its parameters on NVMe: a gather ahead starts only once its shard has been read
+// (so a use never waits for the reads of the units after it). When a unit is gathered depends on
+// the disk, but each is gathered once per micro-step, every use is served, and no bit changes.
+TEST(Schedule, OneRankGathersAheadOnlyWhatWasReadAndKeepsTheBits) {
+  zinf::testing::TempDir nvme;
+  const MlpShape shape;
+  EngineSettings s = stage3();
+  s.param_home = s.optimizer_home = Tier::kNvme;
+  s.nvme_paths = {nvme.path()};
+  EngineSettings off = s;
+  off.prefetch_bucket_elements = 0;
+  off.max_reuse_distance = 0;
+  const int micro = 2;
+  RunResult plain = train_local(off, 1, 4, micro, shape);
+  ASSERT_TRUE(plain.status.is_ok()) << plain.status.to_string();
+  RunResult sched = train_local(s, 1, 4, micro, shape);
+  ASSERT_TRUE(sched.status.is_ok()) << sched.status.to_string();
+  EXPECT_TRUE(same_bits(plain, sched));
+  const ScheduleReport& rep = sched.schedule[0];
+  EXPECT_TRUE(rep.following);
+  // The report covers the recorded trace: units 0, 1, 2 forward and 2, 1, 0 backward. Every unit
+  // is kept until its backward use (DeepSpeed's reuse distance), so one all-gather per unit.
+  EXPECT_EQ(rep.gathers_on_demand + rep.gathers_ahead, 3u);
+  EXPECT_EQ(rep.gathers_on_demand + rep.uses_served_ahead + rep.uses_served_kept, 6u);
+}
+
 TEST(Schedule, TheLiveBoundLimitsWhatIsGatheredAhead) {
   const MlpShape shape{.dims = {32, 256, 256, 256, 8}};
   const int world = 2;

@@ -141,7 +141,20 @@ Status Gatherer::plan_ahead() {
       e_.store->prefetch(st.params, Tier::kDevice);
     }
   }
+  // start() waits for the unit's shard to be in memory, holding up the use that called this. With
+  // one rank an all-gather is a local copy, with no order of collectives to keep across ranks, so
+  // one call waits for at most one shard still being read (the first, needed soonest): the units
+  // after it are left to the next use's call (or their own use), once their reads (asked for
+  // above) have landed. With several ranks every rank must issue the collectives in the same
+  // order, which a rule that depends on when a read lands would not keep: all are started here.
+  const bool one_wait = e_.comm.world_size() == 1 && e_.s.param_home != Tier::kDevice;
+  bool waited = false;
   for (size_t u : e_.sched->gathers_ahead()) {
+    if (one_wait &&
+        !e_.store->residency(e_.unit_states[u].params).valid[static_cast<int>(Tier::kDevice)]) {
+      if (waited) break;  // (in order: nothing after it either)
+      waited = true;
+    }
     ZINF_RETURN_IF_ERROR(start(u));
     ++e_.schedule_now.gathers_ahead;
   }
