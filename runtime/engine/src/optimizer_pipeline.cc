@@ -113,11 +113,13 @@ void OptimizerPipeline::set_plan(const sched::SubGroupPlan& plan, uint64_t accum
   // Per element read ahead: m, v, the fp32 master (mixed) and the sharded parameters.
   const uint64_t read_per_element =
       (e_.mixed ? 12 : 8) + (e_.policy.sharded_params ? dtype_size(e_.s.dtype) : 0);
-  read_during_backward_ =
-      e_.s.pipeline_read && accumulator_bytes +
-                                    kGroupsReadDuringBackward * largest_group * read_per_element +
-                                    e_.staging_total <=
-                                e_.s.host_mem;
+  // As many groups as fit in the host budget beside every accumulator and the staging buffers,
+  // counted at the largest group's size: the state the backward pass reads ahead is not evicted
+  // by the accumulators it fills afterwards (which would read it twice).
+  const uint64_t per_group = std::max<uint64_t>(largest_group * read_per_element, 1);
+  const uint64_t held = accumulator_bytes + e_.staging_total;
+  groups_read_during_backward_ =
+      e_.s.pipeline_read && held < e_.s.host_mem ? (e_.s.host_mem - held) / per_group : 0;
 }
 
 float OptimizerPipeline::combined_scale() const {
@@ -134,7 +136,7 @@ void OptimizerPipeline::on_grads_final(size_t u) {
   st.grads_final = true;
   if (st.final_issued) {
     start_early_update(u);
-  } else if (read_during_backward_) {
+  } else if (groups_read_during_backward_ > 0) {
     read_ahead();
   }
 }
@@ -325,7 +327,7 @@ void OptimizerPipeline::discard() {
 }
 
 void OptimizerPipeline::read_ahead() {
-  while (walk_prefetched_ < std::min(kGroupsReadDuringBackward, walk_.size())) {
+  while (walk_prefetched_ < std::min(groups_read_during_backward_, walk_.size())) {
     const auto& group = groups_[walk_[walk_prefetched_]];
     for (size_t pi : group) {
       if (!e_.unit_states[e_.pieces[pi].unit].grads_final) return;

@@ -94,10 +94,10 @@ class OptimizerPipeline {
   std::vector<size_t> walk_rank_;            // per piece, its group's place in walk_
   void rank_walk();
   size_t walk_prefetched_ = 0;  // groups of walk_ whose state was read ahead during backward
-  static constexpr size_t kGroupsReadDuringBackward = 2;
-  // Whether those reads fit beside the accumulators the backward pass fills: when they do not,
-  // the host budget would evict the (clean) state just read, and it would be read twice.
-  bool read_during_backward_ = false;
+  // How many groups' state is read during the backward pass: as many as fit beside the
+  // accumulators the backward pass fills (more, and the host budget would evict the clean state
+  // just read, which would then be read twice); 0 without pipeline_read.
+  size_t groups_read_during_backward_ = 0;
   // Pieces whose update of the step being made is done. The worker marks the pieces it updates;
   // nothing else touches those entries until wait_early().
   std::vector<uint8_t> updated_;
