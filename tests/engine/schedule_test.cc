@@ -82,9 +82,9 @@ TEST(Schedule, PrefetchAndReuseFollowTheTraceAndKeepTheBits) {
   EXPECT_EQ(kept.schedule[0].gathers_on_demand, 4u);
 }
 
-// One rank with its parameters on NVMe: a gather ahead starts only once its shard has been read
-// (so a use never waits for the reads of the units after it). When a unit is gathered depends on
-// the disk, but each is gathered once per micro-step, every use is served, and no bit changes.
+// One rank with its parameters on NVMe: a use waits for at most one shard ahead still being read,
+// and the gathers ahead after it start at later uses once read. When a unit is gathered depends
+// on the disk, but each is gathered once, every use is served, and no bit changes.
 TEST(Schedule, OneRankGathersAheadOnlyWhatWasReadAndKeepsTheBits) {
   zinf::testing::TempDir nvme;
   const MlpShape shape;

@@ -443,7 +443,6 @@ Status OptimizerPipeline::update_piece(size_t pi, const kernels::AdamStepArgs& a
       ZINF_RETURN_IF_ERROR(e_.discard_offloaded(p.acc, st.opt_home, tier));
       e_.release_offloaded(p.acc, st.opt_home, tier);
       e_.store->clear_next_use(p.acc);  // the walk position set in record_sums() is past
-
     }
   }
   if (e_.policy.sharded_params && unit_done) {
