@@ -104,22 +104,38 @@ void OptimizerPipeline::set_plan(const sched::SubGroupPlan& plan, uint64_t accum
   walk_.clear();
   for (size_t g = 0; g < groups_.size(); ++g) walk_.push_back(g);
   rank_walk();
-  uint64_t largest_group = 0;  // elements
+  // Bytes a group's read-ahead brings into the host budget: m, v and the fp32 master (mixed) of
+  // its pieces unless they live there, and the whole parameter tensor of each of its units
+  // unless homed there (update_piece() acquires the unit's tensor).
+  const uint64_t state_per_element =
+      e_.s.optimizer_home == Tier::kHost ? 0 : (e_.mixed ? 12 : 8);
+  const bool params_read = e_.policy.sharded_params && e_.s.param_home != Tier::kHost;
+  uint64_t largest_read = 0;
   for (const auto& g : groups_) {
-    uint64_t n = 0;
-    for (size_t pi : g) n += plan.pieces[pi].range.size();
-    largest_group = std::max(largest_group, n);
+    uint64_t bytes = 0;
+    size_t last_unit = SIZE_MAX;
+    for (size_t pi : g) {
+      const sched::Piece& piece = plan.pieces[pi];
+      bytes += piece.range.size() * state_per_element;
+      if (params_read && piece.unit != last_unit) {  // (a group's pieces are consecutive)
+        bytes += e_.policy.param_elements(e_.unit_states[piece.unit].layout) *
+                 dtype_size(e_.s.dtype);
+      }
+      last_unit = piece.unit;
+    }
+    largest_read = std::max(largest_read, bytes);
   }
-  // Per element read ahead: m, v, the fp32 master (mixed) and the sharded parameters.
-  const uint64_t read_per_element =
-      (e_.mixed ? 12 : 8) + (e_.policy.sharded_params ? dtype_size(e_.s.dtype) : 0);
-  // As many groups as fit in the host budget beside every accumulator and the staging buffers,
-  // counted at the largest group's size: the state the backward pass reads ahead is not evicted
-  // by the accumulators it fills afterwards (which would read it twice).
-  const uint64_t per_group = std::max<uint64_t>(largest_group * read_per_element, 1);
-  const uint64_t held = accumulator_bytes + e_.staging_total;
-  groups_read_during_backward_ =
-      e_.s.pipeline_read && held < e_.s.host_mem ? (e_.s.host_mem - held) / per_group : 0;
+  // What the host budget holds anyway by the end of the backward pass: the state homed there
+  // (with its accumulators), the accumulators of state homed on NVMe, the staging buffers.
+  const uint64_t held = e_.sizes.host_home_bytes +
+                        (e_.s.optimizer_home == Tier::kHost ? 0 : accumulator_bytes) +
+                        e_.staging_total;
+  // As many groups as fit beside that, each counted as the largest: the state the backward pass
+  // reads ahead is then not evicted by the accumulators it fills afterwards (which would read it
+  // twice).
+  groups_read_during_backward_ = e_.s.pipeline_read && largest_read > 0 && held < e_.s.host_mem
+                                     ? (e_.s.host_mem - held) / largest_read
+                                     : 0;
 }
 
 float OptimizerPipeline::combined_scale() const {
@@ -326,15 +342,24 @@ void OptimizerPipeline::discard() {
   for (Sums& s : sums_) s.valid = false;
 }
 
+// One ordered list on one mover, in walk order, for every group whose gradients are final so far
+// (up to the number that fits): the other mover stays free for the reads the backward pass
+// waits for, and a list that stopped for want of room is taken up again by the next call, once
+// the backward pass has freed some (a newer list supersedes the older).
 void OptimizerPipeline::read_ahead() {
-  while (walk_prefetched_ < std::min(groups_read_during_backward_, walk_.size())) {
-    const auto& group = groups_[walk_[walk_prefetched_]];
-    for (size_t pi : group) {
-      if (!e_.unit_states[e_.pieces[pi].unit].grads_final) return;
-    }
-    prefetch_pieces(group, PrefetchRoom::kCleanOnly);
-    ++walk_prefetched_;
+  auto final = [&](size_t r) {
+    return std::all_of(groups_[walk_[r]].begin(), groups_[walk_[r]].end(), [&](size_t pi) {
+      return e_.unit_states[e_.pieces[pi].unit].grads_final;
+    });
+  };
+  const size_t limit = std::min(groups_read_during_backward_, walk_.size());
+  while (walk_prefetched_ < limit && final(walk_prefetched_)) ++walk_prefetched_;
+  if (walk_prefetched_ == 0) return;
+  std::vector<std::pair<TensorId, Tier>> reads;
+  for (size_t r = 0; r < walk_prefetched_; ++r) {
+    for (size_t pi : groups_[walk_[r]]) append_reads(pi, reads);
   }
+  e_.store->prefetch_in_order(std::move(reads), PrefetchRoom::kCleanOnly);
 }
 
 // A group holding pieces of u and of other units is then updated partly early and partly in
@@ -468,10 +493,6 @@ void OptimizerPipeline::append_reads(size_t pi, std::vector<std::pair<TensorId, 
   for (TensorId id : {st.params, p.master, p.m, p.v, p.acc}) {  // as update_piece() takes them
     if (id != kNoTensor) reads.emplace_back(id, tier);
   }
-}
-
-void OptimizerPipeline::prefetch_pieces(const std::vector<size_t>& which, PrefetchRoom room) {
-  for (size_t pi : which) prefetch_piece(pi, room);
 }
 
 }  // namespace zinf::engine_detail

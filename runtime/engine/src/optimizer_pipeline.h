@@ -80,7 +80,6 @@ class OptimizerPipeline {
  private:
   Status update_piece(size_t pi, const kernels::AdamStepArgs& args);
   void prefetch_piece(size_t pi, PrefetchRoom room = PrefetchRoom::kAny);
-  void prefetch_pieces(const std::vector<size_t>& which, PrefetchRoom room = PrefetchRoom::kAny);
   // The copies update_piece() acquires for piece `pi`, in its order.
   void append_reads(size_t pi, std::vector<std::pair<TensorId, Tier>>& reads);
   void read_ahead();

@@ -834,8 +834,9 @@ void TieredTensorStore::prefetch_in_order(std::vector<std::pair<TensorId, Tier>>
         if (t->last_acquired > issued) continue;
         Copy& c = t->copies[idx(tier)];
         if (c.incoming) continue;  // coming (with its storage, or demanded)
-        if (c.valid) {  // already there: kept for its use like a copy read ahead
+        if (c.valid) {  // already there: kept for its use like a copy read ahead (arriving now)
           c.awaiting = true;
+          c.last_use = ++s.clock;
           continue;
         }
         // Its source is in use (its holder may be writing it): not now, nor anything after it.
