@@ -1,7 +1,7 @@
 // `zinf estimate` against `zinf train`: for every placement the estimator lists, in fp32 and
 // bf16, the GPT `small` preset on 2 ranks is trained with the estimator's own config fragment,
 // read as `zinf train --config` reads it, and each tier's peak per rank is held to the estimate
-// within 10%.
+// within 10% (the host tier with the optimizer on NVMe: at or below it, by at most 20%).
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -41,8 +41,22 @@ void expect_close(uint64_t estimated, uint64_t measured, const std::string& what
     worst = diff / static_cast<double>(measured);
     worst_at = what;
   }
-  EXPECT_LE(std::abs(static_cast<double>(estimated) - static_cast<double>(measured)), slack)
-      << what << ": estimated " << estimated << " B, zinf train peaked at " << measured << " B";
+  EXPECT_LE(diff, slack) << what << ": estimated " << estimated << " B, zinf train peaked at "
+                         << measured << " B";
+}
+
+// The host tier with the optimizer state on NVMe: the estimate counts every NVMe-homed piece
+// cached at once (what the default budget lets the store keep); the update walk reads the pieces
+// in order and frees each once written back, so how many are in memory together depends on how
+// fast the reads run against the updates. The estimate must not fall short (the run fits in what
+// it says) and may lie up to 20% above the peak.
+void expect_bound(uint64_t estimated, uint64_t measured, const std::string& what) {
+  EXPECT_LE(static_cast<double>(measured), static_cast<double>(estimated) + 64 * 1024)
+      << what << ": estimated " << estimated << " B, zinf train peaked above it at " << measured
+      << " B";
+  EXPECT_LE(static_cast<double>(estimated), 1.20 * static_cast<double>(measured))
+      << what << ": estimated " << estimated << " B, more than 20% above the peak of "
+      << measured << " B";
 }
 
 TEST(EstimateVsTrain, EveryPlacementWithinTenPercent) {
@@ -80,8 +94,12 @@ TEST(EstimateVsTrain, EveryPlacementWithinTenPercent) {
         const std::string at = name + ", rank " + std::to_string(rank);
         expect_close(row.device_bytes, m.tiers[static_cast<int>(Tier::kDevice)].peak,
                      at + ", device");
-        expect_close(row.host_bytes / kRanks, m.tiers[static_cast<int>(Tier::kHost)].peak,
-                     at + ", host");
+        const uint64_t host_peak = m.tiers[static_cast<int>(Tier::kHost)].peak;
+        if (row.placement.optimizer_home == Tier::kNvme) {
+          expect_bound(row.host_bytes / kRanks, host_peak, at + ", host");
+        } else {
+          expect_close(row.host_bytes / kRanks, host_peak, at + ", host");
+        }
         expect_close(row.nvme_bytes / kRanks, m.tiers[static_cast<int>(Tier::kNvme)].peak,
                      at + ", nvme");
       }
