@@ -55,8 +55,8 @@ void expect_bound(uint64_t estimated, uint64_t measured, const std::string& what
       << what << ": estimated " << estimated << " B, zinf train peaked above it at " << measured
       << " B";
   EXPECT_LE(static_cast<double>(estimated), 1.20 * static_cast<double>(measured))
-      << what << ": estimated " << estimated << " B, more than 20% above the peak of "
-      << measured << " B";
+      << what << ": estimated " << estimated << " B, more than 20% above the peak of " << measured
+      << " B";
 }
 
 TEST(EstimateVsTrain, EveryPlacementWithinTenPercent) {

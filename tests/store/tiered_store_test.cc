@@ -574,8 +574,8 @@ TEST_F(StoreTest, PrefetchInOrderStopsAtTheFirstThatDoesNotFit) {
   EXPECT_FALSE(store_->residency(s1).allocated[0]);
   // In order, the ones that fit all come.
   store_->prefetch_in_order({{s0, Tier::kDevice}, {s1, Tier::kDevice}}, PrefetchRoom::kCleanOnly);
-  ASSERT_TRUE(eventually(
-      [&] { return store_->residency(s0).valid[0] && store_->residency(s1).valid[0]; }));
+  ASSERT_TRUE(
+      eventually([&] { return store_->residency(s0).valid[0] && store_->residency(s1).valid[0]; }));
   h->release();
   expect(big, Tier::kDevice, 0);
   expect_within_budgets();

@@ -107,8 +107,7 @@ void OptimizerPipeline::set_plan(const sched::SubGroupPlan& plan, uint64_t accum
   // Bytes a group's read-ahead brings into the host budget: m, v and the fp32 master (mixed) of
   // its pieces unless they live there, and the whole parameter tensor of each of its units
   // unless homed there (update_piece() acquires the unit's tensor).
-  const uint64_t state_per_element =
-      e_.s.optimizer_home == Tier::kHost ? 0 : (e_.mixed ? 12 : 8);
+  const uint64_t state_per_element = e_.s.optimizer_home == Tier::kHost ? 0 : (e_.mixed ? 12 : 8);
   const bool params_read = e_.policy.sharded_params && e_.s.param_home != Tier::kHost;
   uint64_t largest_read = 0;
   for (const auto& g : groups_) {
@@ -118,8 +117,8 @@ void OptimizerPipeline::set_plan(const sched::SubGroupPlan& plan, uint64_t accum
       const sched::Piece& piece = plan.pieces[pi];
       bytes += piece.range.size() * state_per_element;
       if (params_read && piece.unit != last_unit) {  // (a group's pieces are consecutive)
-        bytes += e_.policy.param_elements(e_.unit_states[piece.unit].layout) *
-                 dtype_size(e_.s.dtype);
+        bytes +=
+            e_.policy.param_elements(e_.unit_states[piece.unit].layout) * dtype_size(e_.s.dtype);
       }
       last_unit = piece.unit;
     }
@@ -348,9 +347,8 @@ void OptimizerPipeline::discard() {
 // the backward pass has freed some (a newer list supersedes the older).
 void OptimizerPipeline::read_ahead() {
   auto final = [&](size_t r) {
-    return std::all_of(groups_[walk_[r]].begin(), groups_[walk_[r]].end(), [&](size_t pi) {
-      return e_.unit_states[e_.pieces[pi].unit].grads_final;
-    });
+    return std::all_of(groups_[walk_[r]].begin(), groups_[walk_[r]].end(),
+                       [&](size_t pi) { return e_.unit_states[e_.pieces[pi].unit].grads_final; });
   };
   const size_t limit = std::min(groups_read_during_backward_, walk_.size());
   while (walk_prefetched_ < limit && final(walk_prefetched_)) ++walk_prefetched_;

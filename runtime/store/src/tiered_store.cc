@@ -21,7 +21,7 @@ constexpr uint64_t kUnknownUse = std::numeric_limits<uint64_t>::max();
 struct Job {
   bool done = false;
   Status status;
-  bool demanded = false;  // an acquire waits for it (a prefetch alone is a hint)
+  bool demanded = false;                   // an acquire waits for it (a prefetch alone is a hint)
   PrefetchRoom room = PrefetchRoom::kAny;  // what the prefetch may evict (until demanded)
   bool gave_up = false;  // a prefetch found no room it may take: nothing moved, not an error
 };
@@ -40,8 +40,8 @@ struct Copy {
   PinnedBuffer host;
   void* ptr = nullptr;            // device or host data; null for NVMe
   std::shared_ptr<Job> incoming;  // a move filling this copy
-  uint64_t last_use = 0;  // clock of the last acquire (of the arrival, while awaiting use)
-  bool awaiting = false;  // brought by a prefetch, not acquired since
+  uint64_t last_use = 0;          // clock of the last acquire (of the arrival, while awaiting use)
+  bool awaiting = false;          // brought by a prefetch, not acquired since
 
   // Something holds or moves these bytes: the copy may be neither dropped nor freed now.
   bool busy() const { return pins > 0 || reads > 0 || incoming || writing_back; }
@@ -55,7 +55,7 @@ struct Tensor {
   Copy copies[kNumTiers];
   uint64_t next_use = kUnknownUse;
   uint64_t last_acquired = 0;  // clock of the last acquire of any of its copies
-  bool creating = false;  // published while its home storage is being placed: not usable yet
+  bool creating = false;       // published while its home storage is being placed: not usable yet
 };
 
 // A staging pair and a copy stream: what one transfer needs.
@@ -421,8 +421,7 @@ struct TieredTensorStore::Impl {
 
   // Drops one unpinned copy from `tier` to make room (one a prefetch may take, for a prefetch
   // job). kOutOfMemory when nothing can go.
-  Status evict_one(std::unique_lock<std::mutex>& lk, Tier tier,
-                   const Job* for_prefetch = nullptr) {
+  Status evict_one(std::unique_lock<std::mutex>& lk, Tier tier, const Job* for_prefetch = nullptr) {
     int64_t victim = pick_victim(tier, for_prefetch);
     if (victim < 0) {
       return make_error(ErrorCode::kOutOfMemory, "every resident copy in the {} tier is in use",

@@ -94,10 +94,10 @@ struct StoreStats {
   uint64_t bytes_to_host = 0;
   uint64_t bytes_nvme_read = 0;
   uint64_t bytes_nvme_written = 0;
-  uint64_t evictions = 0;       // copies dropped to make room
-  uint64_t writebacks = 0;      // dirty copies written to their home
-  uint64_t stale_discards = 0;  // moves whose result was outdated by a write meanwhile
-  uint64_t discards = 0;        // dirty copies dropped unwritten by discard() (dead contents)
+  uint64_t evictions = 0;            // copies dropped to make room
+  uint64_t writebacks = 0;           // dirty copies written to their home
+  uint64_t stale_discards = 0;       // moves whose result was outdated by a write meanwhile
+  uint64_t discards = 0;             // dirty copies dropped unwritten by discard() (dead contents)
   uint64_t prefetches_given_up = 0;  // prefetches that found no room they were allowed to take
 };
 
