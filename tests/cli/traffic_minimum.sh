@@ -6,6 +6,12 @@
 # With the updates fused into the backward pass (--overlap-optimizer, no clipping), a step moves
 # at most 1.1 times the minimum: spent gradient accumulators are never written, and each unit's
 # shard reaches its update from the copy its backward gather used, not from NVMe again.
+# With one rank the update runs behind step() (zinf.update_behind) and the next forward pass
+# takes the parameters it updated from memory: in fp32 with clipping the minimum is then the
+# 16 bytes read per parameter of the fused case; the same run with update_behind off reads the
+# master once more (20). The copies it keeps for that pass can also serve a backward use when the
+# budget has room (the host budget here is three quarters of the state): those runs must move at
+# least 0.9 times the minimum.
 #
 #   traffic_minimum.sh ZINF DIR
 set -u
@@ -15,19 +21,22 @@ model="--model small --dim 256"
 params=$("$zinf" train $model --describe | python3 -c 'import json,sys; print(json.load(sys.stdin)["parameters"])')
 status=0
 # dtype, clip, gradient accumulation, bytes read and written per parameter, host budget,
-# [fused]. (The NVMe-homed state is 52 MB in fp32 and 58 MB in bf16.)
-for c in "fp32 0 1 16 12 40M" "fp32 1 1 20 12 40M" "bf16 1 1 16 14 40M" "bf16 0 2 20 14 40M" \
-  "fp32 0 1 16 12 48M fused" "bf16 0 1 16 14 48M fused"; do
+# [fused | inside (update_behind off)]. (The NVMe-homed state is 52 MB in fp32 and 58 MB in bf16.)
+echo '{"zinf": {"update_behind": false}}' > "$dir/inside.json"
+for c in "fp32 0 1 16 12 40M" "fp32 1 1 16 12 40M" "fp32 1 1 20 12 40M inside" \
+  "bf16 1 1 16 14 40M" "bf16 0 2 20 14 40M" "fp32 0 1 16 12 48M fused" "bf16 0 1 16 14 48M fused"; do
   set -- $c
-  host=$6 fused=${7:-}
+  host=$6 mode=${7:-}
+  fused=$([ "$mode" = fused ] && echo fused)
   "$zinf" train $model --steps 3 --stage 3 --dtype "$1" --clip "$2" --grad-accum "$3" \
-    ${fused:+--overlap-optimizer} \
+    ${fused:+--overlap-optimizer} $([ "$mode" = inside ] && echo "--config $dir/inside.json") \
     --offload-param nvme --offload-optimizer nvme --nvme-path "$dir/swap" --device-mem 16M \
     --host-mem "$host" --quiet --log-json "$dir/log.json" || { echo "$c: exit $?"; status=1; continue; }
-  python3 - "$dir/log.json" "$params" "$4" "$5" "$c" "$fused" <<'PY' || status=1
+  python3 - "$dir/log.json" "$params" "$4" "$5" "$c" "$mode" <<'PY' || status=1
 import json, sys
 log, params, per_read, per_written, case = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 fused = sys.argv[6] == "fused"
+floor = 1.0 if sys.argv[6] in ("fused", "inside") else 0.9
 steps = [l for l in map(json.loads, open(log)) if "step" in l]
 ok = True
 for s in steps:
@@ -36,9 +45,10 @@ for s in steps:
         if not (per * params <= least <= 1.01 * per * params):
             print(f"{case}: step {s['step']}: minimum {what} {least}, expected {per} x {params}")
             ok = False
-    if s["step"] > 1 and (s["nvme_read_bytes"] < lo_r or s["nvme_written_bytes"] < lo_w):
-        print(f"{case}: step {s['step']} moved less than the minimum: read {s['nvme_read_bytes']} "
-              f"< {lo_r} or written {s['nvme_written_bytes']} < {lo_w}")
+    if s["step"] > 1 and (s["nvme_read_bytes"] < floor * lo_r or
+                          s["nvme_written_bytes"] < floor * lo_w):
+        print(f"{case}: step {s['step']} moved less than {floor} x the minimum: read "
+              f"{s['nvme_read_bytes']} < {lo_r} or written {s['nvme_written_bytes']} < {lo_w}")
         ok = False
     if fused and s["step"] > 1:
         for what, moved, least in (("read", s["nvme_read_bytes"], lo_r),

@@ -286,7 +286,7 @@ TEST(Schedule, UsingAUnitAfterItsOverlappedUpdateIsAnError) {
 // A read error half-way through the optimizer walk: step() fails naming what it was reading, the
 // engine refuses to go on until step() is called again, and that call finishes the update
 // without repeating the pieces already done: the run ends on the same bits as one without the
-// fault.
+// fault. (The walk inside step(): update_behind off; the walk behind step() is tested below.)
 TEST(Schedule, AStepThatFailsHalfWayIsFinishedByTheNextStep) {
   zinf::testing::TempDir nvme;
   const MlpShape shape{.dims = {32, 256, 256, 8}};
@@ -295,6 +295,7 @@ TEST(Schedule, AStepThatFailsHalfWayIsFinishedByTheNextStep) {
   s.optimizer_home = Tier::kNvme;
   s.nvme_paths = {nvme.path()};
   s.sub_group_elements = 4096;
+  s.update_behind = false;
   RunResult clean = train_local(s, 1, 4, 2, shape);
   ASSERT_TRUE(clean.status.is_ok()) << clean.status.to_string();
 
@@ -322,6 +323,120 @@ TEST(Schedule, AStepThatFailsHalfWayIsFinishedByTheNextStep) {
     auto p = engine->full_parameters(u);
     ASSERT_TRUE(p.is_ok());
     EXPECT_EQ(std::memcmp(p->data(), clean.params[u].data(), p->size() * 4), 0) << "unit " << u;
+  }
+}
+
+// The update behind step() (update_behind, on by default with one rank, stage 3 and the
+// optimizer offloaded): step() returns before the update has ended (its entry in update_ends()
+// comes when it is waited for), a learning rate set right after step() applies to the next step
+// only, and the parameters are bit for bit those of the update inside step(), with clipping on
+// and with a host budget too small to read the walk ahead whole.
+TEST(Schedule, TheUpdateBehindStepKeepsTheBits) {
+  const MlpShape shape{.dims = {32, 256, 256, 8}};
+  auto run = [&](bool behind, bool* returned_early) -> std::vector<std::vector<float>> {
+    zinf::testing::TempDir nvme;
+    EngineSettings s = stage3();  // clipping at 0.5
+    s.param_home = Tier::kNvme;
+    s.optimizer_home = Tier::kNvme;
+    s.nvme_paths = {nvme.path()};
+    s.sub_group_elements = 4096;
+    s.staging_bytes = 1 << 20;
+    s.staging_buffers = 2;
+    s.host_mem = 6 * (1 << 20) + (640 << 10);  // the staging (6 MiB) and 640 KiB of the 1.2 MB
+    s.update_behind = behind;
+    auto group = comm::make_local_group(1).value();
+    auto engine = Engine::create(s, *group[0], testing::mlp_units(shape), testing::mlp_init);
+    EXPECT_TRUE(engine.is_ok()) << engine.status().to_string();
+    if (!engine.is_ok()) return {};
+    const std::vector<uint64_t> samples = {0, 1, 2};
+    for (int step = 0; step < 4; ++step) {
+      EXPECT_TRUE(testing::mlp_micro_step(**engine, shape, samples).is_ok());
+      const uint64_t ends = (*engine)->update_ends().size();
+      EXPECT_TRUE((*engine)->step().is_ok());
+      if ((*engine)->update_ends().size() == ends) *returned_early = true;
+      EXPECT_TRUE((*engine)->set_lr(0.01f / static_cast<float>(step + 2)).is_ok());
+    }
+    EXPECT_TRUE((*engine)->wait_for_update().is_ok());
+    EXPECT_EQ((*engine)->update_ends().size(), 4u) << "one entry per step() once waited for";
+    std::vector<std::vector<float>> params;
+    for (size_t u = 0; u < (*engine)->unit_count(); ++u) {
+      auto p = (*engine)->full_parameters(u);
+      EXPECT_TRUE(p.is_ok());
+      if (p.is_ok()) params.push_back(std::move(p).value());
+    }
+    return params;
+  };
+  bool early_inside = false, early_behind = false;
+  const auto inside = run(false, &early_inside);
+  const auto behind = run(true, &early_behind);
+  EXPECT_FALSE(early_inside) << "without update_behind, step() returns after its update";
+  EXPECT_TRUE(early_behind) << "with update_behind, step() returns before its update has ended";
+  ASSERT_EQ(inside.size(), 3u);
+  ASSERT_EQ(behind.size(), inside.size());
+  for (size_t u = 0; u < inside.size(); ++u) {
+    ASSERT_EQ(behind[u].size(), inside[u].size());
+    EXPECT_EQ(std::memcmp(behind[u].data(), inside[u].data(), inside[u].size() * 4), 0)
+        << "unit " << u;
+  }
+}
+
+// A read error in the update behind step(): step() has returned, so the failure comes with the
+// next call that needs the update: a gather of a unit the walk did not reach (the first read
+// fails) or wait_for_update() (the 20th). It names the swap file; the engine refuses to go on
+// until step() is called again, and that call finishes the update: the run ends on the bits of
+// one without the fault.
+TEST(Schedule, AFailedUpdateBehindStepIsFinishedByTheNextStep) {
+  const MlpShape shape{.dims = {32, 256, 256, 8}};
+  EngineSettings s = stage3();
+  s.gradient_clipping = 0;
+  s.optimizer_home = Tier::kNvme;
+  s.sub_group_elements = 4096;
+  s.pipeline_read = false;  // every read of the walk after step() has returned
+  for (const bool met_by_gather : {true, false}) {
+    SCOPED_TRACE(met_by_gather ? "met by a gather" : "met by wait_for_update");
+    zinf::testing::TempDir nvme;
+    s.nvme_paths = {nvme.path()};
+    RunResult clean = train_local(s, 1, 4, 2, shape);
+    ASSERT_TRUE(clean.status.is_ok()) << clean.status.to_string();
+    auto group = comm::make_local_group(1).value();
+    auto engine =
+        Engine::create(s, *group[0], testing::mlp_units(shape), testing::mlp_init).value();
+    const std::vector<uint64_t> samples = {0, 1};
+    for (int step = 0; step < 4; ++step) {
+      ASSERT_TRUE(testing::mlp_micro_step(*engine, shape, samples).is_ok());
+      if (step != 2) {
+        ASSERT_TRUE(engine->step().is_ok());
+        continue;
+      }
+      io::FaultInjector::global().add(
+          {.op = io::IoOp::kRead, .nth = met_by_gather ? 1u : 20u, .and_after = true});
+      ASSERT_TRUE(engine->step().is_ok()) << "the update runs behind step()";
+      Status failed;
+      if (met_by_gather) {
+        auto g = engine->gather(0);
+        failed = g.is_ok() ? Status() : g.status();
+      } else {
+        failed = engine->wait_for_update();
+      }
+      io::FaultInjector::global().clear();
+      ASSERT_FALSE(failed.is_ok());
+      EXPECT_NE(failed.message().find("swap-"), std::string::npos) << failed.message();
+      if (met_by_gather) {
+        EXPECT_NE(failed.message().find("did not reach unit"), std::string::npos)
+            << failed.message();
+      }
+      auto refused = engine->gather(0);
+      ASSERT_FALSE(refused.is_ok()) << "the update is incomplete: step() must finish it first";
+      EXPECT_NE(refused.status().message().find("call step() again"), std::string::npos)
+          << refused.status().message();
+      ASSERT_TRUE(engine->step().is_ok());
+    }
+    ASSERT_TRUE(engine->wait_for_update().is_ok());
+    for (size_t u = 0; u < engine->unit_count(); ++u) {
+      auto p = engine->full_parameters(u);
+      ASSERT_TRUE(p.is_ok());
+      EXPECT_EQ(std::memcmp(p->data(), clean.params[u].data(), p->size() * 4), 0) << "unit " << u;
+    }
   }
 }
 

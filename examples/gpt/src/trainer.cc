@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <deque>
 #include <filesystem>
 #include <map>
 #include <mutex>
@@ -546,7 +547,29 @@ Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o
     });
   };
   std::vector<int32_t> tokens(static_cast<size_t>(B) * T), targets(tokens.size());
+  // A step's NVMe bytes run to the end of its update, which with update_behind comes after
+  // step() returns (during the next step, or at wait_for_update()): rank 0 holds each step's log
+  // until the engine has recorded that end (Engine::update_ends()).
   StoreStats last_store = engine.store_stats();
+  uint64_t ends_seen = 0;
+  for (const Engine::UpdateEnd& end : engine.update_ends()) ends_seen = end.index;
+  std::deque<StepLog> held;
+  auto log_ended_steps = [&] {
+    for (const Engine::UpdateEnd& end : engine.update_ends()) {
+      if (end.index <= ends_seen || held.empty()) continue;
+      ends_seen = end.index;
+      StepLog log = std::move(held.front());
+      held.pop_front();
+      log.nvme_read = end.stats.bytes_nvme_read - last_store.bytes_nvme_read;
+      log.nvme_written = end.stats.bytes_nvme_written - last_store.bytes_nvme_written;
+      last_store = end.stats;
+      {
+        std::lock_guard lock(shared.mu);
+        shared.report.steps.push_back(log);
+      }
+      if (on_step) on_step(log, o.steps);
+    }
+  };
   int64_t first_step = 0;
   if (!o.resume.empty()) {
     ZINF_ASSIGN_OR_RETURN(first_step, resume_from(engine, o, shared));
@@ -606,35 +629,31 @@ Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o
     }
     double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (rank == 0) {
-      StoreStats now = engine.store_stats();
-      StepLog log{.step = step + 1,
-                  .loss = mean[0],
-                  .seconds = seconds,
-                  .tokens_per_s = static_cast<double>(B) * T * gas * world / seconds,
-                  .skipped = engine.last_step().skipped,
-                  .grad_norm = engine.last_step().grad_norm,
-                  .lr = engine.settings().adam.lr,
-                  .beta1 = engine.settings().adam.beta1,
-                  .beta2 = engine.settings().adam.beta2,
-                  .memory = engine.memory_report(),
-                  .comm = engine.comm_report(),
-                  .schedule = engine.schedule_report(),
-                  .units_updated_early = engine.last_step().units_updated_early,
-                  .nvme_read = now.bytes_nvme_read - last_store.bytes_nvme_read,
-                  .nvme_written = now.bytes_nvme_written - last_store.bytes_nvme_written,
-                  .nvme_minimum = engine.nvme_traffic_minimum()};
-      last_store = now;
-      {
-        std::lock_guard lock(shared.mu);
-        shared.report.steps.push_back(log);
-      }
-      if (on_step) on_step(log, o.steps);
+      held.push_back(StepLog{.step = step + 1,
+                             .loss = mean[0],
+                             .seconds = seconds,
+                             .tokens_per_s = static_cast<double>(B) * T * gas * world / seconds,
+                             .skipped = engine.last_step().skipped,
+                             .grad_norm = engine.last_step().grad_norm,
+                             .lr = engine.settings().adam.lr,
+                             .beta1 = engine.settings().adam.beta1,
+                             .beta2 = engine.settings().adam.beta2,
+                             .memory = engine.memory_report(),
+                             .comm = engine.comm_report(),
+                             .schedule = engine.schedule_report(),
+                             .units_updated_early = engine.last_step().units_updated_early,
+                             .nvme_minimum = engine.nvme_traffic_minimum()});
+      log_ended_steps();
     }
     if (stopping && step + 1 < o.steps) {
+      ZINF_RETURN_IF_ERROR(engine.wait_for_update());
+      if (rank == 0) log_ended_steps();
       return make_error(ErrorCode::kCancelled, "stopped after step {} of {}{}", step + 1, o.steps,
                         o.save_dir.empty() ? "" : fmt::format(" (saved in {})", o.save_dir));
     }
   }
+  ZINF_RETURN_IF_ERROR(engine.wait_for_update());
+  if (rank == 0) log_ended_steps();
   // Every rank's memory row, for rank 0's table (ranks may be other processes).
   static_assert(std::is_trivially_copyable_v<MemoryReport> && sizeof(MemoryReport) % 4 == 0);
   const MemoryReport mine = engine.memory_report();

@@ -555,6 +555,7 @@ Status read_zinf(ObjectReader& r, ZinfConfig& z) {
   ZINF_RETURN_IF_ERROR(r.read_bool("checksum", z.checksum));
   ZINF_RETURN_IF_ERROR(r.read_bytes("staging_bytes", z.staging_bytes));
   ZINF_RETURN_IF_ERROR(r.read_bool("overlap_optimizer", z.overlap_optimizer));
+  ZINF_RETURN_IF_ERROR(r.read_bool("update_behind", z.update_behind));
   ZINF_RETURN_IF_ERROR(r.read_int("optimizer_threads", z.optimizer_threads));
   ZINF_RETURN_IF_ERROR(r.read_bool("io_fixed_buffers", z.io_fixed_buffers));
   ZINF_RETURN_IF_ERROR(r.read_uint("max_nonfinite_steps", z.max_nonfinite_steps));

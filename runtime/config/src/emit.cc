@@ -147,6 +147,7 @@ json to_json(const Config& c) {
                {"checksum", zc.checksum},
                {"staging_bytes", zc.staging_bytes},
                {"overlap_optimizer", zc.overlap_optimizer},
+               {"update_behind", zc.update_behind},
                {"optimizer_threads", zc.optimizer_threads},
                {"io_fixed_buffers", zc.io_fixed_buffers},
                {"max_nonfinite_steps", zc.max_nonfinite_steps}};

@@ -41,7 +41,7 @@ struct Engine::Impl {
         agreement(c, e.comm_now.control_elements),
         optimizer(e, scaler),
         reducer(e, optimizer),
-        gatherer(e) {}
+        gatherer(e, optimizer) {}
 
   Status build() { return engine_detail::build_engine(e, optimizer); }
 
@@ -54,6 +54,10 @@ struct Engine::Impl {
   Status step(StepInfo& info) {
     if (!e.fatal.is_ok()) return e.fatal;
     ++step_calls;
+    // The last step's update, when it ran behind step(): it ends first. Failed, it is finished
+    // here (by this call, or by the next one when the failure is met only now).
+    if (Status behind = settle_behind(); !behind.is_ok()) return behind;
+    if (optimizer.behind_failed()) return finish_behind(info);
     Status local = settle_backward(info);
     if (!e.sticky.is_ok()) {  // a scope's end could not issue its reduction: gradients missing
       if (local.is_ok()) local = std::move(e.sticky);
@@ -62,6 +66,9 @@ struct Engine::Impl {
     // A write-back that failed is reported, but the data stays valid in memory (and is written
     // back later): the step goes on.
     Status writeback = e.finish_evictions();
+    if (Status behind = optimizer.take_behind_writeback(); writeback.is_ok()) {
+      writeback = std::move(behind);
+    }
     if (local.is_ok()) local = optimizer.zero_untouched_accumulators();
     // A step() that finishes an update left incomplete uses the norm every rank agreed on: the
     // accumulators of the pieces already updated are spent (dropped unwritten) by now.
@@ -83,10 +90,14 @@ struct Engine::Impl {
     // the same partials and decides the same.
     const bool overflow = norm.ok && checks_nonfinite() && !std::isfinite(norm.sum_squares);
     if (norm.ok && !overflow) {
-      local =
-          optimizer.update({.step = e.steps + 1,
-                            .grad_scale = optimizer.combined_scale() * clip_coef(info.grad_norm)},
-                           writeback);
+      const kernels::AdamStepArgs args{
+          .step = e.steps + 1,
+          .grad_scale = optimizer.combined_scale() * clip_coef(info.grad_norm)};
+      if (optimizer.updates_behind()) {
+        optimizer.start_behind(args);  // (one rank: nothing to agree on before it runs)
+      } else {
+        local = optimizer.update(args, writeback);
+      }
     }
     // A non-finite gradient met by an update fused into the backward pass: units updated before
     // it cannot be taken back, so no retry can make this step whole. Every rank stops.
@@ -105,6 +116,34 @@ struct Engine::Impl {
     }
     Status committed = commit(info);
     return writeback.is_ok() ? committed : writeback;
+  }
+
+  // The update of the last step when it runs behind step() (update_behind): waits for it. A
+  // failure leaves that step incomplete (finish_behind() completes it).
+  Status settle_behind() {
+    if (!optimizer.behind_pending()) return Status::ok();
+    Status st = optimizer.wait_behind();
+    if (!st.is_ok()) e.update_incomplete = true;
+    return st;
+  }
+
+  // A step() after an update behind failed: what the walk did not update is updated now, with
+  // the step's own hyperparameters. The pass begun since (up to the gather that met the
+  // failure) is settled and its gradients are dropped: its micro-steps have to run again.
+  Status finish_behind(StepInfo& info) {
+    (void)settle_backward(info);  // its reductions and gathered units (its gradients are dropped)
+    Status writeback = e.finish_evictions();
+    if (Status behind = optimizer.take_behind_writeback(); writeback.is_ok()) {
+      writeback = std::move(behind);
+    }
+    ZINF_RETURN_IF_ERROR(optimizer.finish_behind(writeback));
+    optimizer.commit();
+    e.update_incomplete = false;
+    info.step = e.steps;
+    info.loss_scale = scaler.scale();
+    info.skipped_steps = skipped_steps;
+    Status end = e.finish_evictions();
+    return writeback.is_ok() ? end : writeback;
   }
 
   // Settles what the backward pass left in flight — reductions, overlapped updates, gathered
@@ -221,7 +260,8 @@ struct Engine::Impl {
     scaler.on_good_step();
     info.step = e.steps;
     info.loss_scale = scaler.scale();
-    Status end = e.finish_evictions();
+    // An update running behind waits for its own write-backs (wait_behind() reports them).
+    Status end = optimizer.behind_pending() ? Status() : e.finish_evictions();
     return shared.is_ok() ? end : shared;
   }
 };
@@ -364,6 +404,7 @@ Engine::Engine(const EngineSettings& settings, std::unique_ptr<Impl> impl)
 
 Engine::~Engine() {
   if (!impl_) return;
+  (void)impl_->settle_behind();
   (void)impl_->reducer.drain();
   (void)impl_->optimizer.wait_early();
   impl_->gatherer.drop_all();  // waits for all-gathers still writing into gathered buffers
@@ -462,6 +503,8 @@ Status Engine::step() {
   engine_detail::EngineState& e = impl_->e;
   StepInfo info;
   Status st = impl_->step(info);
+  // This call's update ended here, unless it runs on behind it (its entry comes when waited for).
+  if (!impl_->optimizer.behind_pending()) e.record_update_end(e.store->stats());
   last_step_ = info;
   last_comm_ = e.comm_now;
   last_comm_.counters = e.comm.counters();
@@ -515,6 +558,12 @@ const Budgets& Engine::budgets() const { return impl_->e.budgets; }
 
 StoreStats Engine::store_stats() const { return impl_->e.store->stats(); }
 
+Status Engine::wait_for_update() { return impl_->settle_behind(); }
+
+std::vector<Engine::UpdateEnd> Engine::update_ends() const {
+  return {impl_->e.update_ends.begin(), impl_->e.update_ends.end()};
+}
+
 NvmeTraffic nvme_traffic_minimum(const NvmeTrafficInputs& in) {
   const uint64_t w = dtype_size(in.dtype);
   const bool mixed = in.dtype != DType::kF32;
@@ -527,8 +576,9 @@ NvmeTraffic nvme_traffic_minimum(const NvmeTrafficInputs& in) {
   // Every micro-step's forward and backward pass gathers each unit: its shard is read twice.
   t.read_bytes += 2 * gas * in.param_elements * w;
   t.read_bytes += in.optimizer_elements * optimizer_state;
-  // In fp32 the parameter is the master: an update after the backward pass reads it once more.
-  if (!mixed && !fused) t.read_bytes += in.param_elements * 4;
+  // In fp32 the parameter is the master: an update after the backward pass reads it once more,
+  // unless the next forward pass takes the parameters it updated from memory (update_behind).
+  if (!mixed && !fused && !in.update_behind) t.read_bytes += in.param_elements * 4;
   t.written_bytes += in.optimizer_elements * optimizer_state + in.param_elements * w;
   return t;
 }
@@ -537,7 +587,8 @@ NvmeTraffic Engine::nvme_traffic_minimum() const {
   const engine_detail::EngineState& e = impl_->e;
   NvmeTrafficInputs in{.dtype = e.s.dtype,
                        .gradient_accumulation_steps = e.s.gradient_accumulation_steps,
-                       .clipping = e.s.gradient_clipping > 0};
+                       .clipping = e.s.gradient_clipping > 0,
+                       .update_behind = impl_->optimizer.updates_behind()};
   for (const engine_detail::UnitState& st : e.unit_states) {
     if (e.s.param_home == Tier::kNvme) in.param_elements += e.policy.param_elements(st.layout);
     if (st.opt_home == Tier::kNvme) in.optimizer_elements += e.policy.owned_elements(st.layout);
@@ -556,6 +607,7 @@ Result<std::vector<float>> Engine::full_parameters(size_t unit) {
   if (unit >= e.unit_states.size()) {
     return make_error(ErrorCode::kInvalidArgument, "unit {} does not exist", unit);
   }
+  ZINF_RETURN_IF_ERROR(impl_->settle_behind());
   ZINF_RETURN_IF_ERROR(impl_->reducer.drain());
   ZINF_RETURN_IF_ERROR(impl_->optimizer.wait_early());
   UnitState& st = e.unit_states[unit];
@@ -591,6 +643,7 @@ Result<std::vector<float>> Engine::full_parameters(size_t unit) {
 
 Result<std::string> Engine::save_checkpoint(const std::string& root,
                                             const SaveCheckpointOptions& options) {
+  ZINF_RETURN_IF_ERROR(impl_->settle_behind());
   const engine_detail::LossScaler::State ls = impl_->scaler.state();
   const nlohmann::json scalars = {{"optimizer_steps", impl_->e.steps},
                                   {"step_calls", impl_->step_calls},
@@ -603,6 +656,7 @@ Result<std::string> Engine::save_checkpoint(const std::string& root,
 }
 
 Result<LoadedCheckpoint> Engine::load_checkpoint(const std::string& path) {
+  ZINF_RETURN_IF_ERROR(impl_->settle_behind());
   ZINF_ASSIGN_OR_RETURN(engine_detail::LoadedState loaded,
                         engine_detail::load_checkpoint(impl_->e, path));
   const nlohmann::json& j = loaded.scalars;

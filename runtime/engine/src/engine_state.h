@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <future>
 #include <memory>
 #include <mutex>
@@ -140,6 +141,13 @@ struct EngineState {
   }
   CommReport comm_now;          // counts since the last step
   ScheduleReport schedule_now;  // counts since the last step
+  // The store's counters at the end of each step's update (Engine::update_ends()).
+  std::deque<Engine::UpdateEnd> update_ends;
+  uint64_t update_end_count = 0;
+  void record_update_end(const StoreStats& stats) {
+    update_ends.push_back({.index = ++update_end_count, .stats = stats});
+    if (update_ends.size() > 8) update_ends.pop_front();
+  }
 
   // "rank<r> <what>": this rank's track in a trace.
   std::string track(const char* what) const {
@@ -168,6 +176,14 @@ struct EngineState {
       std::lock_guard lk(evictions_mu_);
       evictions_.push_back(std::move(f));
     }
+  }
+  // Like release_offloaded(), for a copy used again soon: written back to an NVMe home and kept
+  // (clean, so that a later eviction only drops it).
+  void write_back_offloaded(TensorId id, Tier home, Tier where) {
+    if (home != Tier::kNvme) return release_offloaded(id, home, where);
+    auto f = store->write_back_async(id, where);
+    std::lock_guard lk(evictions_mu_);
+    evictions_.push_back(std::move(f));
   }
   // The tensor's contents are dead (a gradient accumulator after its update): its copy in
   // `where` goes without a write-back to its home.

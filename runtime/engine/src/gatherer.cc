@@ -1,5 +1,6 @@
 #include "gatherer.h"
 
+#include "optimizer_pipeline.h"
 #include "zinf/core/log.h"
 
 namespace zinf::engine_detail {
@@ -41,6 +42,16 @@ Result<void*> Gatherer::begin_use(size_t u, TensorHandle& resident) {
   if (st.gathered) {
     ++(st.used_since_gather ? e_.schedule_now.uses_served_kept : e_.schedule_now.uses_served_ahead);
   } else {
+    if (Status updated = optimizer_.wait_unit(u); !updated.is_ok()) {
+      // The walk has ended (it failed): the step is incomplete until step() finishes it.
+      (void)optimizer_.wait_behind();
+      e_.update_incomplete = true;
+      return std::move(updated).with_context(fmt::format(
+          "the optimizer update of step {}, which ran behind step() (update_behind), did not "
+          "reach unit {}; call step() again to finish it, then run this pass's micro-steps "
+          "again (its gradients are dropped)",
+          e_.steps, e_.units[u].name));
+    }
     ZINF_RETURN_IF_ERROR(start(u).with_context("gathering unit " + e_.units[u].name));
     ++e_.schedule_now.gathers_on_demand;
   }
@@ -136,6 +147,7 @@ Status Gatherer::plan_ahead() {
   const uint64_t base_tick = static_cast<uint64_t>(e_.steps) * e_.sched->trace().size();
   if (e_.s.param_home != Tier::kDevice) {
     for (size_t u : e_.sched->reads_ahead()) {
+      if (!optimizer_.unit_ready(u)) continue;  // its update is still to write the shard
       const UnitState& st = e_.unit_states[u];
       if (auto next = e_.sched->next_use(u)) e_.store->set_next_use(st.params, base_tick + *next);
       e_.store->prefetch(st.params, Tier::kDevice);
@@ -150,6 +162,7 @@ Status Gatherer::plan_ahead() {
   const bool one_wait = e_.comm.world_size() == 1 && e_.s.param_home != Tier::kDevice;
   bool waited = false;
   for (size_t u : e_.sched->gathers_ahead()) {
+    if (!optimizer_.unit_ready(u)) break;  // (one rank only: see OptimizerPipeline)
     if (one_wait &&
         !e_.store->residency(e_.unit_states[u].params).valid[static_cast<int>(Tier::kDevice)]) {
       if (waited) break;  // (in order: nothing after it either)

@@ -16,9 +16,13 @@
 
 namespace zinf::engine_detail {
 
+class OptimizerPipeline;
+
 class Gatherer {
  public:
-  explicit Gatherer(EngineState& e) : e_(e) {}
+  // `optimizer`: with its update running behind step(), a unit is gathered (or read ahead) only
+  // once its own update is done.
+  Gatherer(EngineState& e, OptimizerPipeline& optimizer) : e_(e), optimizer_(optimizer) {}
 
   // Records a use of unit u in the trace (a departure re-records it); refuses a use the step
   // cannot serve (an unfinished step, a unit already updated under overlap_optimizer).
@@ -46,6 +50,7 @@ class Gatherer {
   Status plan_ahead();  // the reads and all-gathers the trace says come next
 
   EngineState& e_;
+  OptimizerPipeline& optimizer_;
 };
 
 }  // namespace zinf::engine_detail

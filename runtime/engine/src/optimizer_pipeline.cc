@@ -174,6 +174,19 @@ void OptimizerPipeline::plan_walk() {
   }
   std::stable_sort(walk_.begin(), walk_.end(),
                    [&](size_t a, size_t b) { return ready[a] < ready[b]; });
+  first_use_.assign(e_.unit_states.size(), trace.size());
+  for (size_t i = trace.size(); i-- > 0;) first_use_[trace[i]] = i;
+  if (updates_behind()) {
+    // Behind step(), in the order of the units' first use: the next forward pass follows the
+    // walk unit by unit (and the backward pass reads its first groups ahead: read_ahead()).
+    auto key = [&](size_t g) {
+      size_t k = trace.size();
+      for (size_t pi : groups_[g]) k = std::min(k, first_use_[e_.pieces[pi].unit]);
+      return k;
+    };
+    std::stable_sort(walk_.begin(), walk_.end(),
+                     [&](size_t a, size_t b) { return key(a) < key(b); });
+  }
   rank_walk();
 }
 
@@ -290,7 +303,7 @@ Result<double> OptimizerPipeline::partial_sum_squares(int range_rank, float scal
   return total;
 }
 
-Status OptimizerPipeline::update(const kernels::AdamStepArgs& args, Status& writeback) {
+std::vector<std::vector<size_t>> OptimizerPipeline::pieces_to_update() const {
   std::vector<std::vector<size_t>> todo;
   for (size_t g : walk_) {
     todo.emplace_back();
@@ -299,6 +312,17 @@ Status OptimizerPipeline::update(const kernels::AdamStepArgs& args, Status& writ
     }
     if (todo.back().empty()) todo.pop_back();
   }
+  return todo;
+}
+
+Status OptimizerPipeline::update(const kernels::AdamStepArgs& args, Status& writeback) {
+  return walk(pieces_to_update(), args, e_.s.adam, writeback);
+}
+
+Status OptimizerPipeline::walk(const std::vector<std::vector<size_t>>& todo,
+                               const kernels::AdamStepArgs& args, const kernels::AdamConfig& adam,
+                               Status& writeback, const std::function<void(size_t)>& done,
+                               const Keep& keep) {
   // Before each piece is updated, the reads of the rest of its group and of the next group are
   // asked for, in the order of the walk, into the room there is: clean copies only are evicted
   // for them (the accumulators still to be used stay, and nothing read ahead goes), and they stop
@@ -320,7 +344,8 @@ Status OptimizerPipeline::update(const kernels::AdamStepArgs& args, Status& writ
         }
         e_.store->prefetch_in_order(std::move(reads), PrefetchRoom::kCleanOnly);
       }
-      ZINF_RETURN_IF_ERROR(update_piece(todo[g][k], args));
+      ZINF_RETURN_IF_ERROR(update_piece(todo[g][k], args, adam, keep));
+      if (done) done(todo[g][k]);
     }
     if (!e_.s.pipeline_write) {
       Status wb = e_.finish_evictions();
@@ -330,7 +355,115 @@ Status OptimizerPipeline::update(const kernels::AdamStepArgs& args, Status& writ
   return Status::ok();
 }
 
+bool OptimizerPipeline::updates_behind() const {
+  return e_.s.update_behind && e_.world == 1 && e_.policy.sharded_params && !updates_early() &&
+         e_.s.optimizer_home != Tier::kDevice;
+}
+
+void OptimizerPipeline::start_behind(const kernels::AdamStepArgs& args) {
+  if (!worker_) worker_ = std::make_unique<OptimizerWorker>();
+  // In plan_walk()'s order; the parameters are kept for the next forward pass when the step
+  // followed the trace (its uses are then known), at that step's ticks (Gatherer::plan_ahead's,
+  // once this step is committed).
+  Keep keep;
+  if (e_.sched->following() && first_use_.size() == e_.unit_states.size()) {
+    keep = {.params = true, .tick = static_cast<uint64_t>(e_.steps + 1) * e_.sched->trace().size()};
+  }
+  std::vector<std::vector<size_t>> todo;
+  std::vector<size_t> left(e_.unit_states.size(), 0);
+  for (size_t g : walk_) {
+    todo.emplace_back();
+    for (size_t pi : groups_[g]) {
+      if (updated_[pi]) continue;
+      todo.back().push_back(pi);
+      ++left[e_.pieces[pi].unit];
+    }
+    if (todo.back().empty()) todo.pop_back();
+  }
+  {
+    std::lock_guard lk(behind_.mu);
+    behind_.running = true;
+    behind_.left = std::move(left);
+    behind_.status = Status();
+    behind_.writeback = Status();
+  }
+  behind_.pending = true;
+  behind_.failed = false;
+  behind_.args = args;
+  behind_.adam = e_.s.adam;
+  worker_->submit([this, todo = std::move(todo), args, adam = e_.s.adam, keep]() -> Status {
+    Status writeback;
+    // A unit done is as after a committed step: its accumulators start again from zero and its
+    // recorded sums are spent. The next pass's uses of the unit wait for this (wait_unit).
+    Status st = walk(
+        todo, args, adam, writeback,
+        [this](size_t pi) {
+          const size_t u = e_.pieces[pi].unit;
+          std::lock_guard lk(behind_.mu);
+          if (--behind_.left[u] > 0) return;
+          e_.unit_states[u].acc_zero = true;
+          for (size_t q : e_.unit_states[u].pieces) sums_[q].valid = false;
+          behind_.cv.notify_all();
+        },
+        keep);
+    Status wb = e_.finish_evictions();
+    if (writeback.is_ok()) writeback = std::move(wb);
+    {
+      std::lock_guard lk(behind_.mu);
+      behind_.end_stats = e_.store->stats();
+      behind_.running = false;
+      behind_.status = std::move(st);
+      behind_.writeback = std::move(writeback);
+    }
+    behind_.cv.notify_all();
+    return Status::ok();  // reported through behind_ (wait_unit, wait_behind)
+  });
+}
+
+bool OptimizerPipeline::unit_ready(size_t u) {
+  if (!behind_.pending) return true;
+  std::lock_guard lk(behind_.mu);
+  return behind_.left[u] == 0;
+}
+
+Status OptimizerPipeline::wait_unit(size_t u) {
+  if (!behind_.pending) return Status::ok();
+  std::unique_lock lk(behind_.mu);
+  behind_.cv.wait(lk, [&] { return behind_.left[u] == 0 || !behind_.running; });
+  if (behind_.left[u] == 0) return Status::ok();
+  return behind_.status.is_ok()
+             ? make_error(ErrorCode::kInternal,
+                          "unit {}: the update walk ended without updating it", e_.units[u].name)
+             : behind_.status;
+}
+
+Status OptimizerPipeline::wait_behind() {
+  if (!behind_.pending) return Status::ok();
+  Status st;
+  {
+    std::unique_lock lk(behind_.mu);
+    behind_.cv.wait(lk, [&] { return !behind_.running; });
+    st = behind_.status;
+    e_.record_update_end(behind_.end_stats);
+  }
+  behind_.pending = false;
+  if (!st.is_ok()) {
+    behind_.failed = true;
+    return st;
+  }
+  std::fill(updated_.begin(), updated_.end(), 0);
+  return Status::ok();
+}
+
+Status OptimizerPipeline::finish_behind(Status& writeback) {
+  ZINF_RETURN_IF_ERROR(walk(pieces_to_update(), behind_.args, behind_.adam, writeback));
+  behind_.failed = false;
+  return Status::ok();
+}
+
 void OptimizerPipeline::commit() {
+  // Behind step(), the walk clears each unit as it updates it, and wait_behind() the rest.
+  if (behind_.pending) return;
   std::fill(updated_.begin(), updated_.end(), 0);
   discard();
 }
@@ -342,16 +475,20 @@ void OptimizerPipeline::discard() {
 }
 
 // One ordered list on one mover, in walk order, for every group whose gradients are final so far
-// (up to the number that fits): the other mover stays free for the reads the backward pass
-// waits for, and a list that stopped for want of room is taken up again by the next call, once
-// the backward pass has freed some (a newer list supersedes the older).
+// (behind step(): from the first) up to the number that fits: the other mover stays free for the
+// reads the backward pass waits for, and a list that stopped for want of room is taken up again by
+// the next call, once the backward pass has freed some (a newer list supersedes the older).
 void OptimizerPipeline::read_ahead() {
   auto final = [&](size_t r) {
     return std::all_of(groups_[walk_[r]].begin(), groups_[walk_[r]].end(),
                        [&](size_t pi) { return e_.unit_states[e_.pieces[pi].unit].grads_final; });
   };
   const size_t limit = std::min(groups_read_during_backward_, walk_.size());
-  while (walk_prefetched_ < limit && final(walk_prefetched_)) ++walk_prefetched_;
+  // Behind step() the walk goes in the forward order, whose first units' gradients are final
+  // last: their state (which needs no gradient) is read from the backward pass's start.
+  while (walk_prefetched_ < limit && (updates_behind() || final(walk_prefetched_))) {
+    ++walk_prefetched_;
+  }
   if (walk_prefetched_ == 0) return;
   std::vector<std::pair<TensorId, Tier>> reads;
   for (size_t r = 0; r < walk_prefetched_; ++r) {
@@ -366,20 +503,21 @@ void OptimizerPipeline::start_early_update(size_t u) {
   ++updated_early_;
   const kernels::AdamStepArgs args{.step = e_.steps + 1, .grad_scale = combined_scale()};
   std::vector<size_t> mine = e_.unit_states[u].pieces;
-  worker_->submit([this, mine, args]() -> Status {
+  worker_->submit([this, mine, args, adam = e_.s.adam]() -> Status {
     for (size_t k = 0; k < mine.size(); ++k) {
       if (e_.s.pipeline_read) {  // this piece (the first time) and the next one
         if (k == 0) prefetch_piece(mine[0]);
         if (k + 1 < mine.size()) prefetch_piece(mine[k + 1]);
       }
-      ZINF_RETURN_IF_ERROR(update_piece(mine[k], args));
+      ZINF_RETURN_IF_ERROR(update_piece(mine[k], args, adam));
     }
     return Status::ok();
   });
 }
 
 // Adam over one piece: its state and the unit's parameters where the update runs.
-Status OptimizerPipeline::update_piece(size_t pi, const kernels::AdamStepArgs& args) {
+Status OptimizerPipeline::update_piece(size_t pi, const kernels::AdamStepArgs& args,
+                                       const kernels::AdamConfig& adam, const Keep& keep) {
   const PieceState& p = e_.pieces[pi];
   UnitState& st = e_.unit_states[p.unit];
   const Tier tier = EngineState::compute_tier(st);
@@ -420,7 +558,7 @@ Status OptimizerPipeline::update_piece(size_t pi, const kernels::AdamStepArgs& a
   {
     trace::Span span(e_.track("cpu adam"), "adam " + e_.units[p.unit].name);
     for (const zero::Segment& seg : zero::segments(st.layout, p.begin, p.end)) {
-      kernels::AdamConfig cfg = e_.s.adam;
+      kernels::AdamConfig cfg = adam;
       if (!seg.weight_decay) cfg.weight_decay = 0;
       const uint64_t si = seg.begin - p.begin, pidx = e_.param_index(st, seg.begin);
       kernels::AdamTensors t{
@@ -469,7 +607,13 @@ Status OptimizerPipeline::update_piece(size_t pi, const kernels::AdamStepArgs& a
     }
   }
   if (e_.policy.sharded_params && unit_done) {
-    e_.release_offloaded(st.params, e_.s.param_home, tier);
+    if (keep.params && tier != Tier::kDevice && p.unit < first_use_.size()) {
+      // The next forward pass gathers them soon (update_behind): from here, not from NVMe.
+      e_.store->set_next_use(st.params, keep.tick + first_use_[p.unit]);
+      e_.write_back_offloaded(st.params, e_.s.param_home, tier);
+    } else {
+      e_.release_offloaded(st.params, e_.s.param_home, tier);
+    }
   }
   return Status::ok();
 }

@@ -8,6 +8,11 @@
 //    read during the backward pass when they fit beside the accumulators.
 //  - overlap_optimizer (when nothing needs every gradient first: no clipping, no overflow check):
 //    a unit's update runs on a worker thread as soon as its gradients are final.
+//  - update_behind (one rank, stage 3, the optimizer offloaded, no early updates): step() hands
+//    the walk to the worker once the norm is known and returns; the groups read ahead during the
+//    backward pass go first, the rest in the order the next forward pass uses them, and that
+//    pass's gather of a unit waits for the unit's own update (wait_unit). A failure there leaves
+//    the step incomplete, as a failed update() does: the next step() finishes it (finish_behind).
 //  - A piece is updated once per step: `updated` remembers what is done, so a step() that failed
 //    half-way (on this rank or another) is finished by the next step() without repeating work;
 //    commit() clears it when every rank has agreed.
@@ -15,7 +20,10 @@
 //    order, so the result does not depend on how the state is cut.
 #pragma once
 
+#include <condition_variable>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include "engine_state.h"
@@ -25,6 +33,14 @@
 namespace zinf::engine_detail {
 
 class OptimizerWorker;
+
+// A walk's unit parameters, once the unit's pieces are done: with `params`, written back and kept
+// in memory for the next forward pass, whose use comes at `tick` + the unit's first use in the
+// trace (update_behind); otherwise written back and dropped.
+struct Keep {
+  bool params = false;
+  uint64_t tick = 0;
+};
 
 class OptimizerPipeline {
  public:
@@ -71,14 +87,48 @@ class OptimizerPipeline {
   // Updates every piece not yet updated in this step; `writeback` receives the first write-back
   // failure (the data stays valid in memory: the step goes on).
   Status update(const kernels::AdamStepArgs& args, Status& writeback);
+
+  // Whether step() leaves the update walk to run behind it (update_behind and its conditions).
+  bool updates_behind() const;
+  // Starts the walk over every piece not yet updated on the worker, with the optimizer's
+  // hyperparameters as they are now (set_lr() may change them while it runs).
+  void start_behind(const kernels::AdamStepArgs& args);
+  // Whether a walk started by start_behind() has not been waited for by wait_behind() yet.
+  bool behind_pending() const { return behind_.pending; }
+  // Whether unit u's update in the walk behind is done (or no walk is pending): no waiting.
+  bool unit_ready(size_t u);
+  // Waits until unit u's pieces are updated; the walk's failure when it stopped before them.
+  Status wait_unit(size_t u);
+  // Waits for the whole walk and records its end (EngineState::record_update_end). Its failure
+  // leaves the step incomplete (behind_failed()) until finish_behind() completes it.
+  Status wait_behind();
+  // The walk's first write-back failure, once (the data stays valid in memory).
+  Status take_behind_writeback() {
+    std::lock_guard lk(behind_.mu);
+    return std::exchange(behind_.writeback, Status());
+  }
+  bool behind_failed() const { return behind_.failed; }
+  // Finishes a walk behind that failed, on the calling thread, with the step's own
+  // hyperparameters.
+  Status finish_behind(Status& writeback);
+
   // The step is committed on every rank: the next starts from zero gradients, nothing updated.
+  // (With the walk behind still running, what it has not done yet is left to it.)
   void commit();
   // The step is skipped (fp16 overflow): its gradients are dropped.
   void discard();
   size_t sub_groups() const { return groups_.size(); }
 
  private:
-  Status update_piece(size_t pi, const kernels::AdamStepArgs& args);
+  Status update_piece(size_t pi, const kernels::AdamStepArgs& args, const kernels::AdamConfig& adam,
+                      const Keep& keep = {});
+  // The pieces not updated yet, by group, in walk order.
+  std::vector<std::vector<size_t>> pieces_to_update() const;
+  // Updates `todo` group by group (see update()); `done(pi)` after each piece.
+  Status walk(const std::vector<std::vector<size_t>>& todo, const kernels::AdamStepArgs& args,
+              const kernels::AdamConfig& adam, Status& writeback,
+              const std::function<void(size_t)>& done = {}, const Keep& keep = {});
+  std::vector<size_t> first_use_;  // per unit, its first use in the recorded trace (plan_walk)
   void prefetch_piece(size_t pi, PrefetchRoom room = PrefetchRoom::kAny);
   // The copies update_piece() acquires for piece `pi`, in its order.
   void append_reads(size_t pi, std::vector<std::pair<TensorId, Tier>>& reads);
@@ -108,8 +158,23 @@ class OptimizerPipeline {
     std::vector<double> blocks;
   };
   std::vector<Sums> sums_;
-  std::unique_ptr<OptimizerWorker> worker_;  // overlap_optimizer only
+  std::unique_ptr<OptimizerWorker> worker_;  // overlap_optimizer, update_behind
   size_t updated_early_ = 0;                 // units handed to the worker in this step
+  // The walk behind step(). `pending` and `failed` belong to the calling thread; the rest is
+  // shared with the worker under `mu`.
+  struct Behind {
+    bool pending = false;  // started, not waited for yet
+    bool failed = false;   // waited for, and it failed: finish_behind() owes the rest
+    kernels::AdamStepArgs args;
+    kernels::AdamConfig adam;
+    std::mutex mu;
+    std::condition_variable cv;
+    bool running = false;
+    std::vector<size_t> left;  // per unit, its pieces in the walk not updated yet
+    Status status, writeback;
+    StoreStats end_stats;  // the store's counters when the walk and its write-backs ended
+  };
+  Behind behind_;
 };
 
 }  // namespace zinf::engine_detail

@@ -91,6 +91,7 @@ Result<EngineSettings> settings_from_config(const config::Config& c) {
   s.max_reuse_distance = c.zero.stage3_max_reuse_distance;
   s.sub_group_elements = c.zero.sub_group_size;
   s.overlap_optimizer = c.zinf.overlap_optimizer;
+  s.update_behind = c.zinf.update_behind;
   s.optimizer_threads = c.zinf.optimizer_threads;
   s.io_fixed_buffers = c.zinf.io_fixed_buffers;
   s.max_nonfinite_steps = c.zinf.max_nonfinite_steps;
@@ -141,6 +142,7 @@ nlohmann::json settings_json(const EngineSettings& s) {
   j["device_mem"] = s.device_mem;
   j["host_mem"] = s.host_mem;
   j["overlap_optimizer"] = s.overlap_optimizer;
+  j["update_behind"] = s.update_behind;
   j["checksum"] = s.checksum;
   j["max_nonfinite_steps"] = s.max_nonfinite_steps;
   j["seed"] = s.seed;

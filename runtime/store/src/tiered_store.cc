@@ -24,6 +24,7 @@ struct Job {
   bool demanded = false;                   // an acquire waits for it (a prefetch alone is a hint)
   PrefetchRoom room = PrefetchRoom::kAny;  // what the prefetch may evict (until demanded)
   bool gave_up = false;  // a prefetch found no room it may take: nothing moved, not an error
+  bool started = false;  // a mover took it (it may be queued twice: see start_move())
 };
 
 struct Copy {
@@ -83,6 +84,9 @@ struct TieredTensorStore::Impl {
 
   // Mover threads.
   std::deque<std::function<void()>> jobs;
+  // Moves an acquire waits for: a mover takes them before `jobs` (write-backs, evictions and
+  // prefetches queued earlier do not hold up a use that is waiting).
+  std::deque<std::function<void()>> urgent;
   std::condition_variable jobs_cv;
   bool stopping = false;
   std::vector<std::thread> movers;
@@ -375,6 +379,7 @@ struct TieredTensorStore::Impl {
     uint64_t version = t->version;
     Endpoint src = endpoint(*t, tier), dst = endpoint(*t, t->spec.home);
     auto job = std::make_shared<Job>();
+    job->started = true;
     home.incoming = job;
     std::string name = t->spec.name;
     lk.unlock();
@@ -532,7 +537,11 @@ struct TieredTensorStore::Impl {
     Copy& c = tensors[id]->copies[idx(tier)];
     const bool demanded = why == MoveFor::kAcquire;
     if (c.incoming) {
+      // A prefetch still queued that an acquire now waits for: queued again among the urgent
+      // moves (whichever copy a mover takes first runs it; the other finds it started).
+      const bool promote = demanded && !c.incoming->demanded && !c.incoming->started;
       c.incoming->demanded = c.incoming->demanded || demanded;
+      if (promote) enqueue_move(id, tier, c.incoming, /*urgent=*/true);
       return c.incoming;
     }
     if (c.valid) return nullptr;
@@ -540,10 +549,17 @@ struct TieredTensorStore::Impl {
     job->demanded = demanded;
     job->room = room;
     c.incoming = job;
+    enqueue_move(id, tier, job, demanded);
+    return job;
+  }
+
+  void enqueue_move(TensorId id, Tier tier, const std::shared_ptr<Job>& job, bool is_urgent) {
     {
       std::lock_guard jl(jobs_mu);
-      jobs.push_back([this, id, tier, job] {
+      (is_urgent ? urgent : jobs).push_back([this, id, tier, job] {
         std::unique_lock lk(mu);
+        if (job->started) return;
+        job->started = true;
         Status s = move(lk, id, tier, *job);
         if (Tensor* t = get(id); t && t->copies[idx(tier)].incoming == job) {
           t->copies[idx(tier)].incoming.reset();
@@ -554,7 +570,6 @@ struct TieredTensorStore::Impl {
       });
     }
     jobs_cv.notify_one();
-    return job;
   }
 
   std::mutex jobs_mu;
@@ -564,10 +579,11 @@ struct TieredTensorStore::Impl {
       std::function<void()> work;
       {
         std::unique_lock lock(jobs_mu);
-        jobs_cv.wait(lock, [&] { return stopping || !jobs.empty(); });
-        if (jobs.empty()) return;
-        work = std::move(jobs.front());
-        jobs.pop_front();
+        jobs_cv.wait(lock, [&] { return stopping || !jobs.empty() || !urgent.empty(); });
+        std::deque<std::function<void()>>& from = urgent.empty() ? jobs : urgent;
+        if (from.empty()) return;
+        work = std::move(from.front());
+        from.pop_front();
       }
       work();
     }
@@ -842,6 +858,7 @@ void TieredTensorStore::prefetch_in_order(std::vector<std::pair<TensorId, Tier>>
         if (t->copies[idx(Impl::source_for(*t, tier))].pins > 0) return;
         auto job = std::make_shared<Job>();
         job->room = room;
+        job->started = true;  // run here, on this mover (an acquire joining it waits for it)
         c.incoming = job;
         Status st = s.move(lk, id, tier, *job);
         t = s.get(id);
@@ -991,6 +1008,33 @@ std::shared_future<Status> TieredTensorStore::evict_async(TensorId id, Tier tier
         return;
       }
       promise->set_value(s.drop(lk, id, tier));
+    });
+  }
+  s.jobs_cv.notify_one();
+  return future;
+}
+
+std::shared_future<Status> TieredTensorStore::write_back_async(TensorId id, Tier tier) {
+  Impl& s = *impl_;
+  auto promise = std::make_shared<std::promise<Status>>();
+  std::shared_future<Status> future = promise->get_future().share();
+  {
+    std::lock_guard jl(s.jobs_mu);
+    s.jobs.push_back([this, id, tier, promise] {
+      Impl& s = *impl_;
+      std::unique_lock lk(s.mu);
+      Tensor* t = s.get(id);
+      if (t == nullptr || tier == t->spec.home || t->creating) {
+        promise->set_value(Status::ok());
+        return;
+      }
+      const Copy& c = t->copies[idx(tier)];
+      // Never wait here (see evict_async); write_back() checks the rest.
+      if (!c.allocated || c.busy() || t->copies[idx(t->spec.home)].incoming) {
+        promise->set_value(Status::ok());
+        return;
+      }
+      promise->set_value(s.write_back(lk, id, tier, WriteBackFor::kFlush));
     });
   }
   s.jobs_cv.notify_one();

@@ -243,6 +243,8 @@ struct ZinfConfig {
   // Start each unit's optimizer update during the backward pass once its gradients are final
   // (EngineSettings::overlap_optimizer).
   bool overlap_optimizer = tunables::kOverlapOptimizer.value;
+  // step() leaves the update running under the next forward pass (EngineSettings::update_behind).
+  bool update_behind = tunables::kUpdateBehind.value;
   int optimizer_threads = tunables::kOptimizerThreads.value;  // CPU Adam threads; 0 = all cores
   bool io_fixed_buffers = tunables::kIoFixedBuffers.value;    // registered io_uring buffers
   // Non-finite gradient norms in a row before a step fails (EngineSettings::max_nonfinite_steps).

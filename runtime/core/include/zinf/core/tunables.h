@@ -433,6 +433,14 @@ inline constexpr Tunable<bool> kOverlapOptimizer{
         "update each unit during the backward pass once its gradients are final; an inf/NaN "
         "gradient then stops the run (no skip)",
 };
+inline constexpr Tunable<bool> kUpdateBehind{
+    .name = "update_behind",
+    .value = true,
+    .json = "zinf.update_behind",
+    .doc =
+        "one rank, stage 3, optimizer offloaded: step() returns once the norm is known and the "
+        "update runs on under the next forward pass, each unit's use waiting for its update",
+};
 inline constexpr Tunable<bool> kChecksum{
     .name = "checksum",
     // On since issue 16 (off before): a swap file changed behind zinf's back is an error naming
@@ -574,6 +582,7 @@ inline constexpr std::array kAll = {
     detail::entry(kDeviceMem),
     detail::entry(kHostMem),
     detail::entry(kOverlapOptimizer),
+    detail::entry(kUpdateBehind),
     detail::entry(kChecksum),
     detail::entry(kSeed),
     detail::entry(kDevice),

@@ -136,6 +136,10 @@ struct EngineSettings {
   // to use the units in the recorded order: gathering a unit again after its update started is
   // an error.
   bool overlap_optimizer = tunables::kOverlapOptimizer.value;
+  // With one rank, stage 3 and the optimizer offloaded (and no overlap_optimizer updates):
+  // step() returns once the gradient norm is known, and the update walk runs on while the next
+  // forward pass uses the units it has updated (Engine::step()).
+  bool update_behind = tunables::kUpdateBehind.value;
   bool checksum = tunables::kChecksum.value;  // XXH3 per swapped 1 MiB block, verified on read
   uint32_t io_queue_depth = tunables::kIoQueueDepth.value;  // aio.queue_depth
   uint64_t io_block_size = tunables::kIoBlockSize.value;    // aio.block_size
@@ -290,13 +294,16 @@ struct MemoryReport {
 // mixed precision) the rank holds on NVMe. Gradients are counted as kept in memory (a gradient
 // that must wait on disk for the norm adds its own write and read); with no clipping and not
 // fp16, the update is counted as fused into the backward pass, so that an fp32 parameter read
-// for the backward gather is also the master the update reads.
+// for the backward gather is also the master the update reads; with `update_behind` the update
+// after the backward pass leaves the parameters in memory for the next forward pass, so in fp32
+// its read of the master is that pass's read.
 struct NvmeTrafficInputs {
   uint64_t param_elements = 0;
   uint64_t optimizer_elements = 0;
   DType dtype = DType::kF32;
   int gradient_accumulation_steps = 1;
-  bool clipping = true;  // gradient_clipping > 0: every norm is known before any update
+  bool clipping = true;        // gradient_clipping > 0: every norm is known before any update
+  bool update_behind = false;  // the update runs behind step() (EngineSettings::update_behind)
 };
 struct NvmeTraffic {
   uint64_t read_bytes = 0;
@@ -339,8 +346,25 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   Result<UnitScope> gather(size_t unit);
-  // Applies the optimizer to the gradients accumulated since the last step.
+  // Applies the optimizer to the gradients accumulated since the last step. With update_behind
+  // in force (EngineSettings::update_behind) it returns once the gradient norm is known and the
+  // update runs on while the next pass begins: that pass's gather of a unit waits for the unit's
+  // own update. A failure of such an update is returned by the gather (or call) that meets it,
+  // and leaves the step incomplete as a failed step() does: call step() again to finish it (the
+  // gradients of the pass begun since are dropped: run its micro-steps again).
   Status step();
+  // Waits for an update left running by step() (update_behind); step(), gather(), the checkpoint
+  // calls and full_parameters() wait for what they need themselves.
+  Status wait_for_update();
+  // The store's counters at the end of each step's update (the last 8, oldest first, numbered
+  // from 1): a step's NVMe bytes are its entry's minus the one before. Each step() call adds one
+  // entry when its update ends: before it returns, or with update_behind when a later call waits
+  // for the update.
+  struct UpdateEnd {
+    uint64_t index = 0;
+    StoreStats stats;
+  };
+  std::vector<UpdateEnd> update_ends() const;
 
   // The optimizer's hyperparameters for the next step() (a learning-rate schedule sets them
   // between steps: zinf/optim/lr_schedule.h). Every rank must set the same values, as for every

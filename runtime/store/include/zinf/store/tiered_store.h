@@ -170,6 +170,11 @@ class TieredTensorStore {
   // evict() on a mover thread, for copies that are neither pinned nor being filled (others are
   // left alone: the future reports ok). The future reports a failed write-back.
   std::shared_future<Status> evict_async(TensorId id, Tier tier);
+  // On a mover thread: writes the copy in `tier` back to the home when it is the only valid one,
+  // and keeps it (clean: a later eviction just drops it), for a use soon. A copy being written by
+  // a handle, or already moving, is left alone (the future reports ok); the future reports a
+  // failed write-back.
+  std::shared_future<Status> write_back_async(TensorId id, Tier tier);
   // The caller no longer needs the tensor's contents (a gradient accumulator whose update is
   // done): the copy in `tier` (not the home) is dropped without being written back, and the
   // tensor's contents are unspecified until it is next written (in practice the home's older
