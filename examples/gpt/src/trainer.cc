@@ -547,10 +547,11 @@ Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o
     });
   };
   std::vector<int32_t> tokens(static_cast<size_t>(B) * T), targets(tokens.size());
-  // A step's NVMe bytes run to the end of its update, which with update_behind comes after
-  // step() returns (during the next step, or at wait_for_update()): rank 0 holds each step's log
-  // until the engine has recorded that end (Engine::update_ends()).
+  // A step's time and NVMe bytes run to the end of its update, which with update_behind comes
+  // after step() returns (during the next step, or at wait_for_update()): rank 0 holds each
+  // step's log until the engine has recorded that end (Engine::update_ends()).
   StoreStats last_store = engine.store_stats();
+  std::optional<std::chrono::steady_clock::time_point> last_end_at;  // the first step's start
   uint64_t ends_seen = 0;
   for (const Engine::UpdateEnd& end : engine.update_ends()) ends_seen = end.index;
   std::deque<StepLog> held;
@@ -563,6 +564,12 @@ Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o
       log.nvme_read = end.stats.bytes_nvme_read - last_store.bytes_nvme_read;
       log.nvme_written = end.stats.bytes_nvme_written - last_store.bytes_nvme_written;
       last_store = end.stats;
+      if (last_end_at) {
+        log.seconds = std::chrono::duration<double>(end.at - *last_end_at).count();
+        log.tokens_per_s =
+            log.seconds > 0 ? static_cast<double>(B) * T * gas * world / log.seconds : 0;
+      }
+      last_end_at = end.at;
       {
         std::lock_guard lock(shared.mu);
         shared.report.steps.push_back(log);
@@ -600,6 +607,7 @@ Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o
   }
   for (int64_t step = first_step; step < o.steps; ++step) {
     auto t0 = std::chrono::steady_clock::now();
+    if (!last_end_at) last_end_at = t0;
     // As DeepSpeed: the schedule advances with each applied step (not with skipped ones).
     const int64_t applied = engine.last_step().step;
     ZINF_RETURN_IF_ERROR(engine.set_lr(static_cast<float>(schedule.lr_for_step(applied))));

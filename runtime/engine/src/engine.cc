@@ -504,7 +504,9 @@ Status Engine::step() {
   StepInfo info;
   Status st = impl_->step(info);
   // This call's update ended here, unless it runs on behind it (its entry comes when waited for).
-  if (!impl_->optimizer.behind_pending()) e.record_update_end(e.store->stats());
+  if (!impl_->optimizer.behind_pending()) {
+    e.record_update_end(e.store->stats(), std::chrono::steady_clock::now());
+  }
   last_step_ = info;
   last_comm_ = e.comm_now;
   last_comm_.counters = e.comm.counters();

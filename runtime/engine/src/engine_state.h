@@ -144,8 +144,8 @@ struct EngineState {
   // The store's counters at the end of each step's update (Engine::update_ends()).
   std::deque<Engine::UpdateEnd> update_ends;
   uint64_t update_end_count = 0;
-  void record_update_end(const StoreStats& stats) {
-    update_ends.push_back({.index = ++update_end_count, .stats = stats});
+  void record_update_end(const StoreStats& stats, std::chrono::steady_clock::time_point at) {
+    update_ends.push_back({.index = ++update_end_count, .stats = stats, .at = at});
     if (update_ends.size() > 8) update_ends.pop_front();
   }
 

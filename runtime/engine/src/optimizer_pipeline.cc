@@ -362,11 +362,15 @@ bool OptimizerPipeline::updates_behind() const {
 
 void OptimizerPipeline::start_behind(const kernels::AdamStepArgs& args) {
   if (!worker_) worker_ = std::make_unique<OptimizerWorker>();
-  // In plan_walk()'s order; the parameters are kept for the next forward pass when the step
-  // followed the trace (its uses are then known), at that step's ticks (Gatherer::plan_ahead's,
-  // once this step is committed).
+  // In plan_walk()'s order. The parameters are kept for the next forward pass (at that step's
+  // ticks: Gatherer::plan_ahead's, once this step is committed) when the step followed the trace
+  // (its uses are then known) and the host budget has room beyond every accumulator (it reads
+  // groups ahead during the backward pass). Without that room the walk needs it for its own
+  // reads: kept copies then made the 2 B-shaped walk twice as slow (docs/offload.md), and the
+  // pass finds most shards still there all the same, since it follows the walk closely.
   Keep keep;
-  if (e_.sched->following() && first_use_.size() == e_.unit_states.size()) {
+  if (groups_read_during_backward_ > 0 && e_.sched->following() &&
+      first_use_.size() == e_.unit_states.size()) {
     keep = {.params = true, .tick = static_cast<uint64_t>(e_.steps + 1) * e_.sched->trace().size()};
   }
   std::vector<std::vector<size_t>> todo;
@@ -411,6 +415,7 @@ void OptimizerPipeline::start_behind(const kernels::AdamStepArgs& args) {
     {
       std::lock_guard lk(behind_.mu);
       behind_.end_stats = e_.store->stats();
+      behind_.end_at = std::chrono::steady_clock::now();
       behind_.running = false;
       behind_.status = std::move(st);
       behind_.writeback = std::move(writeback);
@@ -444,7 +449,7 @@ Status OptimizerPipeline::wait_behind() {
     std::unique_lock lk(behind_.mu);
     behind_.cv.wait(lk, [&] { return !behind_.running; });
     st = behind_.status;
-    e_.record_update_end(behind_.end_stats);
+    e_.record_update_end(behind_.end_stats, behind_.end_at);
   }
   behind_.pending = false;
   if (!st.is_ok()) {

@@ -20,6 +20,7 @@
 //    order, so the result does not depend on how the state is cut.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <functional>
 #include <memory>
@@ -173,6 +174,7 @@ class OptimizerPipeline {
     std::vector<size_t> left;  // per unit, its pieces in the walk not updated yet
     Status status, writeback;
     StoreStats end_stats;  // the store's counters when the walk and its write-backs ended
+    std::chrono::steady_clock::time_point end_at;
   };
   Behind behind_;
 };

@@ -356,13 +356,14 @@ class Engine {
   // Waits for an update left running by step() (update_behind); step(), gather(), the checkpoint
   // calls and full_parameters() wait for what they need themselves.
   Status wait_for_update();
-  // The store's counters at the end of each step's update (the last 8, oldest first, numbered
-  // from 1): a step's NVMe bytes are its entry's minus the one before. Each step() call adds one
-  // entry when its update ends: before it returns, or with update_behind when a later call waits
-  // for the update.
+  // The store's counters at the end of each step's update, and when it ended (the last 8, oldest
+  // first, numbered from 1): a step's NVMe bytes are its entry's minus the one before, and its
+  // time runs from the one before. Each step() call adds one entry when its update ends: before
+  // it returns, or with update_behind when a later call waits for the update.
   struct UpdateEnd {
     uint64_t index = 0;
     StoreStats stats;
+    std::chrono::steady_clock::time_point at;
   };
   std::vector<UpdateEnd> update_ends() const;
 
