@@ -133,8 +133,8 @@ namespace {
 // An I/O error while swapping stops the step with an error naming the tensor and the file;
 // nothing is lost (the data stays valid in memory) and training continues after the fault clears,
 // ending on the same bits as a run that never saw the fault.
-// With the update behind step() (update_behind, the default here) the write-back fails after
-// step() returned: the next step() reports it.
+// With the update behind step() (update_behind, the default here) the failed write-back may come
+// after step() returned (one of the walk's): the next step() reports it then.
 TEST(Offload, SwapFaultIsReportedAndTrainingContinues) {
   for (const bool behind : {false, true}) {
     SCOPED_TRACE(behind ? "update behind step()" : "update inside step()");
@@ -166,7 +166,7 @@ TEST(Offload, SwapFaultIsReportedAndTrainingContinues) {
       }
       io::FaultInjector::global().clear();
       if (!st.is_ok()) {
-        EXPECT_EQ(step, behind ? 2 : 1) << st.message();
+        EXPECT_TRUE(step == 1 || (behind && step == 2)) << step << ": " << st.message();
         EXPECT_NE(st.message().find("writing tensor layer"), std::string::npos) << st.message();
         EXPECT_NE(st.message().find("swap-"), std::string::npos) << st.message();
         ++failed_steps;

@@ -339,6 +339,33 @@ TEST_F(StoreTest, DiscardDropsADirtyCopyWithoutWritingItBack) {
   EXPECT_EQ(store_->stats().discards, 1u);
 }
 
+// write_back_async (the update behind step() keeping an updated shard for the next pass): the
+// home gets the bytes and the copy stays, clean, so that its eviction writes nothing; a copy
+// being written by a handle is left alone (nothing written, still dirty).
+TEST_F(StoreTest, WriteBackAsyncKeepsACleanCopy) {
+  build();
+  TensorId id = make("params", 2 << 20, Tier::kNvme);
+  write(id, Tier::kHost, 5);  // the host copy (5) is the only valid one
+  const uint64_t written = store_->stats().bytes_nvme_written;
+  {
+    auto h = store_->acquire(id, Tier::kHost);
+    ASSERT_TRUE(h.is_ok());
+    h->mark_dirty();  // being written: not now
+    ASSERT_TRUE(store_->write_back_async(id, Tier::kHost).get().is_ok());
+    EXPECT_FALSE(store_->residency(id).valid[2]);
+    EXPECT_EQ(store_->stats().bytes_nvme_written, written);
+  }
+  ASSERT_TRUE(store_->write_back_async(id, Tier::kHost).get().is_ok());
+  Residency r = store_->residency(id);
+  EXPECT_TRUE(r.valid[1]) << "the copy stays";
+  EXPECT_TRUE(r.valid[2]) << "the home has the bytes";
+  const uint64_t after = store_->stats().bytes_nvme_written;
+  EXPECT_GT(after, written);
+  ASSERT_TRUE(store_->evict(id, Tier::kHost).is_ok());
+  EXPECT_EQ(store_->stats().bytes_nvme_written, after) << "a clean copy is dropped unwritten";
+  expect(id, Tier::kHost, 5);  // read back from NVMe through its checksums
+}
+
 // A copy the store is reading for its own move (here: the host copy a prefetch copies to the
 // device) is not "pinned": evict() waits for the move instead of failing, and both the moved
 // copy and the home hold the data afterwards.
