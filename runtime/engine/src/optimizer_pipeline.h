@@ -9,8 +9,8 @@
 //  - overlap_optimizer (when nothing needs every gradient first: no clipping, no overflow check):
 //    a unit's update runs on a worker thread as soon as its gradients are final.
 //  - update_behind (one rank, stage 3, the optimizer offloaded, no early updates): step() hands
-//    the walk to the worker once the norm is known and returns; the groups read ahead during the
-//    backward pass go first, the rest in the order the next forward pass uses them, and that
+//    the walk to the worker once the norm is known and returns; the walk goes in the order the
+//    next forward pass uses the units (the backward pass reads its first groups ahead), and that
 //    pass's gather of a unit waits for the unit's own update (wait_unit). A failure there leaves
 //    the step incomplete, as a failed update() does: the next step() finishes it (finish_behind).
 //  - A piece is updated once per step: `updated` remembers what is done, so a step() that failed
