@@ -574,6 +574,29 @@ struct TieredTensorStore::Impl {
 
   std::mutex jobs_mu;
 
+  // Runs `act` on a mover thread, store lock held, for the copy in `tier` when nobody uses it;
+  // otherwise (the tensor gone or being created, the copy its home, absent or busy, a move into
+  // the home pending) the future reports ok without acting. Never waits: a mover waiting for a
+  // move queued behind it would deadlock.
+  std::shared_future<Status> on_idle_copy(
+      TensorId id, Tier tier, std::function<Status(std::unique_lock<std::mutex>&)> act) {
+    auto promise = std::make_shared<std::promise<Status>>();
+    std::shared_future<Status> future = promise->get_future().share();
+    {
+      std::lock_guard jl(jobs_mu);
+      jobs.push_back([this, id, tier, promise, act = std::move(act)] {
+        std::unique_lock lk(mu);
+        const Tensor* t = get(id);
+        const bool idle = t != nullptr && tier != t->spec.home && !t->creating &&
+                          t->copies[idx(tier)].allocated && !t->copies[idx(tier)].busy() &&
+                          !t->copies[idx(t->spec.home)].incoming;
+        promise->set_value(idle ? act(lk) : Status::ok());
+      });
+    }
+    jobs_cv.notify_one();
+    return future;
+  }
+
   void mover_loop() {
     while (true) {
       std::function<void()> work;
@@ -989,56 +1012,15 @@ Status TieredTensorStore::evict(TensorId id, Tier tier) {
 
 std::shared_future<Status> TieredTensorStore::evict_async(TensorId id, Tier tier) {
   Impl& s = *impl_;
-  auto promise = std::make_shared<std::promise<Status>>();
-  std::shared_future<Status> future = promise->get_future().share();
-  {
-    std::lock_guard jl(s.jobs_mu);
-    s.jobs.push_back([this, id, tier, promise] {
-      Impl& s = *impl_;
-      std::unique_lock lk(s.mu);
-      Tensor* t = s.get(id);
-      if (t == nullptr || tier == t->spec.home) {
-        promise->set_value(Status::ok());
-        return;
-      }
-      const Copy& c = t->copies[idx(tier)];
-      // Never wait here: a mover waiting for a move queued behind it would deadlock.
-      if (!c.allocated || c.busy() || t->copies[idx(t->spec.home)].incoming || t->creating) {
-        promise->set_value(Status::ok());
-        return;
-      }
-      promise->set_value(s.drop(lk, id, tier));
-    });
-  }
-  s.jobs_cv.notify_one();
-  return future;
+  return s.on_idle_copy(
+      id, tier, [&s, id, tier](std::unique_lock<std::mutex>& lk) { return s.drop(lk, id, tier); });
 }
 
 std::shared_future<Status> TieredTensorStore::write_back_async(TensorId id, Tier tier) {
   Impl& s = *impl_;
-  auto promise = std::make_shared<std::promise<Status>>();
-  std::shared_future<Status> future = promise->get_future().share();
-  {
-    std::lock_guard jl(s.jobs_mu);
-    s.jobs.push_back([this, id, tier, promise] {
-      Impl& s = *impl_;
-      std::unique_lock lk(s.mu);
-      Tensor* t = s.get(id);
-      if (t == nullptr || tier == t->spec.home || t->creating) {
-        promise->set_value(Status::ok());
-        return;
-      }
-      const Copy& c = t->copies[idx(tier)];
-      // Never wait here (see evict_async); write_back() checks the rest.
-      if (!c.allocated || c.busy() || t->copies[idx(t->spec.home)].incoming) {
-        promise->set_value(Status::ok());
-        return;
-      }
-      promise->set_value(s.write_back(lk, id, tier, WriteBackFor::kFlush));
-    });
-  }
-  s.jobs_cv.notify_one();
-  return future;
+  return s.on_idle_copy(id, tier, [&s, id, tier](std::unique_lock<std::mutex>& lk) {
+    return s.write_back(lk, id, tier, WriteBackFor::kFlush);
+  });
 }
 
 Status TieredTensorStore::discard(TensorId id, Tier tier) {
