@@ -713,9 +713,10 @@ TEST(Engine, EveryDeviceBudgetTheEngineAcceptsTrainsToTheSameBits) {
 
 // The same walk over the host budget, with the optimizer (and so the gradient accumulators) on
 // NVMe: an accumulator is then a host copy the budget must make room for when a reduction
-// completes. Below the floor the run fails (the staging buffers are refused at creation, then the
-// state's first copies); from the first budget that trains, every one trains, within its budget,
-// to the bits of the run with everything on the device.
+// completes. Below the floor the run is refused at creation, naming what it needs (the staging
+// buffers, then those and two parameter tensors for the CPU update); from the first budget that
+// trains, every one trains, within its budget, to the bits of the run with everything on the
+// device.
 TEST(Engine, EveryHostBudgetTheEngineAcceptsTrainsToTheSameBits) {
   zinf::testing::TempDir nvme;
   const testing::MlpShape shape{.dims = {64, 256, 256, 256, 256, 256, 8}};
@@ -736,6 +737,7 @@ TEST(Engine, EveryHostBudgetTheEngineAcceptsTrainsToTheSameBits) {
     if (!r.status.is_ok()) {
       ++refused;
       EXPECT_EQ(trained, 0) << kib << " KiB refused after a smaller budget trained";
+      EXPECT_NE(r.status.message().find("is too small"), std::string::npos) << r.status.to_string();
       continue;
     }
     ++trained;

@@ -88,6 +88,26 @@ class Builder {
           format_bytes(static_cast<double>(z.persistent_elements * dtype_size(s.dtype))),
           z.largest_unit_elements);
     }
+    // The host budget likewise: its staging buffers, the state homed there and, with the
+    // optimizer offloaded, the two parameter tensors its update holds (the one it updates and the
+    // next, read ahead: OptimizerPipeline::sub_group_limit) must fit, or a step fails midway.
+    const uint64_t host_need = z.host_home_bytes + z.staging_bytes +
+                               (z.optimizer_offloaded ? 2 * z.largest_param_bytes : 0);
+    if (e.s.host_mem < host_need) {
+      return make_error(
+          ErrorCode::kInvalidArgument,
+          "host budget {} is too small: this model and placement need at least {} per rank in "
+          "host memory ({} of staging buffers, {} of state homed there{})",
+          format_bytes(static_cast<double>(e.s.host_mem)),
+          format_bytes(static_cast<double>(host_need)),
+          format_bytes(static_cast<double>(z.staging_bytes)),
+          format_bytes(static_cast<double>(z.host_home_bytes)),
+          z.optimizer_offloaded
+              ? fmt::format(", and two of the largest parameter tensors ({} each) for the "
+                            "optimizer update",
+                            format_bytes(static_cast<double>(z.largest_param_bytes)))
+              : std::string());
+    }
     return Status::ok();
   }
 
