@@ -3,10 +3,12 @@
 # gradients, Adam m and v: 16 bytes per parameter) is larger than the machine's RAM, for two
 # steps, with the budgets the engine chooses (none given: docs/engine.md, Budgets) or BUDGET for
 # both. Prints the state size, the budgets, the peak resident memory of the process, the NVMe
-# traffic per step against its documented minimum (docs/offload.md, "The traffic minimum"), and
-# the step time against the time those bytes take at `zinf bench io`'s read and write throughput
-# on the same directory, measured right after the run (1 MiB requests, queue depth 8: the
-# engine's I/O settings). Exits 1 when the memory target (peak RSS <= 25% of the state) is missed.
+# traffic per step against its documented minimum (docs/offload.md, "The traffic minimum"; also
+# against that minimum plus the gradients that must wait on NVMe for the norm because the host
+# budget cannot hold them), and the step time against the time those bytes take at `zinf bench
+# io`'s read and write throughput on the same directory, measured right after the run (1 MiB
+# requests, queue depth 8: the engine's I/O settings). Exits 1 when the memory target (peak RSS
+# <= 25% of the state) is missed.
 #
 # With SAVE=1 the run also saves a checkpoint after its last step (under NVME_DIR/ckpt), then
 # `zinf checkpoint export` writes it as safetensors; each process's peak RSS (/usr/bin/time) is
@@ -70,15 +72,21 @@ steps = [s for s in lines if "step" in s]
 budgets = next((s["budgets"] for s in lines if "budgets" in s), {})
 rss = max(s["peak_rss_bytes"] for s in steps)
 # The least this placement must move per step (Engine::nvme_traffic_minimum, written to the log).
+# Plus, each way, the gradients that wait for the norm beyond the host budget's room.
 for s in steps:
     rmin, wmin = s["nvme_read_minimum_bytes"], s["nvme_written_minimum_bytes"]
+    spill = s["nvme_gradient_spill_minimum_bytes"]
     io_s = s["nvme_read_bytes"] / read_bw + s["nvme_written_bytes"] / write_bw
     print(f"step {s['step']}: loss {s['loss']:.4f}, {s['seconds']:.1f} s "
           f"({s['seconds'] / io_s:.2f}x the {io_s:.1f} s its bytes take at the disk's speed), "
           f"NVMe read {s['nvme_read_bytes'] / 2**30:.2f} GiB ({s['nvme_read_bytes'] / rmin:.2f}x "
           f"the minimum {rmin / 2**30:.2f}), written {s['nvme_written_bytes'] / 2**30:.2f} GiB "
-          f"({s['nvme_written_bytes'] / wmin:.2f}x the minimum {wmin / 2**30:.2f})")
+          f"({s['nvme_written_bytes'] / wmin:.2f}x the minimum {wmin / 2**30:.2f}); at this host "
+          f"budget, where {spill / 2**30:.2f} GiB of gradients wait on NVMe for the norm, "
+          f"{s['nvme_read_bytes'] / (rmin + spill):.2f}x and "
+          f"{s['nvme_written_bytes'] / (wmin + spill):.2f}x the least")
 last = steps[-1]
+spill = last["nvme_gradient_spill_minimum_bytes"]
 io_s = last["nvme_read_bytes"] / read_bw + last["nvme_written_bytes"] / write_bw
 print(json.dumps({"parameters": params, "training_state_bytes": state, "peak_rss_bytes": rss,
                   "device_budget_bytes": budgets.get("device_bytes"),
@@ -91,6 +99,11 @@ print(json.dumps({"parameters": params, "training_state_bytes": state, "peak_rss
                   "read_over_minimum": last["nvme_read_bytes"] / last["nvme_read_minimum_bytes"],
                   "written_over_minimum":
                       last["nvme_written_bytes"] / last["nvme_written_minimum_bytes"],
+                  "gradient_spill_minimum_bytes": spill,
+                  "read_over_minimum_at_budget":
+                      last["nvme_read_bytes"] / (last["nvme_read_minimum_bytes"] + spill),
+                  "written_over_minimum_at_budget":
+                      last["nvme_written_bytes"] / (last["nvme_written_minimum_bytes"] + spill),
                   "bench_read_bytes_per_s": read_bw, "bench_write_bytes_per_s": write_bw,
                   "step_seconds": last["seconds"], "io_seconds_at_bench_speed": io_s,
                   "step_over_io_time": last["seconds"] / io_s}))

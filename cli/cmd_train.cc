@@ -248,31 +248,33 @@ void run(const Args& a, const CLI::App& sub) {
       std::fflush(stdout);
     }
     if (log) {
-      nlohmann::json j = {{"step", s.step},
-                          {"loss", s.loss},
-                          {"tokens_per_s", s.tokens_per_s},
-                          {"seconds", s.seconds},
-                          {"skipped", s.skipped},
-                          {"grad_norm", s.grad_norm},
-                          {"lr", s.lr},
-                          {"beta1", s.beta1},
-                          {"beta2", s.beta2},
-                          {"nvme_read_bytes", s.nvme_read},
-                          {"nvme_written_bytes", s.nvme_written},
-                          {"nvme_read_minimum_bytes", s.nvme_minimum.read_bytes},
-                          {"nvme_written_minimum_bytes", s.nvme_minimum.written_bytes},
-                          {"param_gather_elements", s.comm.param_gather_elements},
-                          {"grad_reduce_elements", s.comm.grad_reduce_elements},
-                          {"gathers_on_demand", s.schedule.gathers_on_demand},
-                          {"gathers_ahead", s.schedule.gathers_ahead},
-                          {"uses_served_ahead", s.schedule.uses_served_ahead},
-                          {"uses_served_kept", s.schedule.uses_served_kept},
-                          {"peak_live_elements", s.schedule.peak_live_elements},
-                          {"units_updated_early", s.units_updated_early},
-                          {"followed_trace", s.schedule.following},
-                          {"departures", s.schedule.departures},
-                          {"sub_groups", s.schedule.sub_groups},
-                          {"peak_rss_bytes", peak_rss_bytes()}};
+      nlohmann::json j = {
+          {"step", s.step},
+          {"loss", s.loss},
+          {"tokens_per_s", s.tokens_per_s},
+          {"seconds", s.seconds},
+          {"skipped", s.skipped},
+          {"grad_norm", s.grad_norm},
+          {"lr", s.lr},
+          {"beta1", s.beta1},
+          {"beta2", s.beta2},
+          {"nvme_read_bytes", s.nvme_read},
+          {"nvme_written_bytes", s.nvme_written},
+          {"nvme_read_minimum_bytes", s.nvme_minimum.read_bytes},
+          {"nvme_written_minimum_bytes", s.nvme_minimum.written_bytes},
+          {"nvme_gradient_spill_minimum_bytes", s.nvme_minimum.gradient_spill_bytes},
+          {"param_gather_elements", s.comm.param_gather_elements},
+          {"grad_reduce_elements", s.comm.grad_reduce_elements},
+          {"gathers_on_demand", s.schedule.gathers_on_demand},
+          {"gathers_ahead", s.schedule.gathers_ahead},
+          {"uses_served_ahead", s.schedule.uses_served_ahead},
+          {"uses_served_kept", s.schedule.uses_served_kept},
+          {"peak_live_elements", s.schedule.peak_live_elements},
+          {"units_updated_early", s.units_updated_early},
+          {"followed_trace", s.schedule.following},
+          {"departures", s.schedule.departures},
+          {"sub_groups", s.schedule.sub_groups},
+          {"peak_rss_bytes", peak_rss_bytes()}};
       for (int t = 0; t < kNumTiers; ++t) {
         j["bytes_" + std::string(tier_name(static_cast<Tier>(t)))] = s.memory.tiers[t].current;
         j["peak_bytes_" + std::string(tier_name(static_cast<Tier>(t)))] = s.memory.tiers[t].peak;
@@ -387,13 +389,24 @@ void run(const Args& a, const CLI::App& sub) {
     const NvmeTraffic& m = last.nvme_minimum;
     if (m.written_bytes > host_budget) {
       std::printf(
-          "NVMe, last step (rank 0): read %s (%.2fx the minimum, %s); written %s (%.2fx, %s)\n",
+          "NVMe, last step (rank 0): read %s (%.2fx the minimum, %s); written %s (%.2fx, %s)",
           format_bytes(static_cast<double>(last.nvme_read)).c_str(),
           static_cast<double>(last.nvme_read) / static_cast<double>(m.read_bytes),
           format_bytes(static_cast<double>(m.read_bytes)).c_str(),
           format_bytes(static_cast<double>(last.nvme_written)).c_str(),
           static_cast<double>(last.nvme_written) / static_cast<double>(m.written_bytes),
           format_bytes(static_cast<double>(m.written_bytes)).c_str());
+      // The gradients that must wait for the norm and do not fit the host budget.
+      if (m.gradient_spill_bytes > 0) {
+        const auto spill = static_cast<double>(m.gradient_spill_bytes);
+        std::printf(
+            "; %.2fx and %.2fx the least at this host budget, where %s of gradients wait "
+            "on NVMe",
+            static_cast<double>(last.nvme_read) / (static_cast<double>(m.read_bytes) + spill),
+            static_cast<double>(last.nvme_written) / (static_cast<double>(m.written_bytes) + spill),
+            format_bytes(spill).c_str());
+      }
+      std::printf("\n");
     }
   }
   if (!a.export_path.empty()) std::printf("\nexported fp32 weights to %s\n", a.export_path.c_str());

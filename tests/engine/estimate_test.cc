@@ -70,6 +70,29 @@ TEST(NvmeTrafficMinimum, HandCountedCases) {
   EXPECT_EQ(min({.param_elements = 1000}), (P{12000, 4000}));
   EXPECT_EQ(min({.param_elements = 1000, .clipping = false}), (P{8000, 4000}));
   EXPECT_EQ(min({}), (P{0, 0}));
+
+  // The host budget: 4000 bytes of accumulators and room for 1500. With clipping every gradient
+  // waits for the norm, so 2500 bytes of them wait on NVMe (a write and a read, reported apart
+  // from the bytes above); the same with fp16 (the overflow check) and with two micro-steps
+  // (accumulated across them). fp32 without clipping, one micro-step: each gradient can be taken
+  // by its update as it is final, so none has to wait. Room for them all: none waits either.
+  auto spill = [](NvmeTrafficInputs in) { return nvme_traffic_minimum(in).gradient_spill_bytes; };
+  in = both;
+  in.accumulator_bytes = 4000;
+  in.host_room_bytes = 1500;
+  EXPECT_EQ(spill(in), 2500u);
+  EXPECT_EQ(min(in), (P{20000, 12000}));  // (the other bytes are unchanged)
+  in.update_behind = true;
+  EXPECT_EQ(spill(in), 2500u);
+  in.clipping = false;
+  EXPECT_EQ(spill(in), 0u);
+  in.gradient_accumulation_steps = 2;
+  EXPECT_EQ(spill(in), 2500u);
+  in.gradient_accumulation_steps = 1;
+  in.dtype = DType::kF16;
+  EXPECT_EQ(spill(in), 2500u);
+  in.host_room_bytes = 4000;
+  EXPECT_EQ(spill(in), 0u);
 }
 
 TEST(Estimate, HandComputedFp32) {

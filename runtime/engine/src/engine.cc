@@ -582,6 +582,11 @@ NvmeTraffic nvme_traffic_minimum(const NvmeTrafficInputs& in) {
   // unless the next forward pass takes the parameters it updated from memory (update_behind).
   if (!mixed && !fused && !in.update_behind) t.read_bytes += in.param_elements * 4;
   t.written_bytes += in.optimizer_elements * optimizer_state + in.param_elements * w;
+  // Accumulators wait for the last gradient (the norm, the overflow check, the last micro-step):
+  // what the host budget cannot hold then is on NVMe.
+  if ((!fused || gas > 1) && in.accumulator_bytes > in.host_room_bytes) {
+    t.gradient_spill_bytes = in.accumulator_bytes - in.host_room_bytes;
+  }
   return t;
 }
 
@@ -593,8 +598,13 @@ NvmeTraffic Engine::nvme_traffic_minimum() const {
                        .update_behind = impl_->optimizer.updates_behind()};
   for (const engine_detail::UnitState& st : e.unit_states) {
     if (e.s.param_home == Tier::kNvme) in.param_elements += e.policy.param_elements(st.layout);
-    if (st.opt_home == Tier::kNvme) in.optimizer_elements += e.policy.owned_elements(st.layout);
+    if (st.opt_home == Tier::kNvme) {
+      in.optimizer_elements += e.policy.owned_elements(st.layout);
+      in.accumulator_bytes += e.policy.accumulator_elements(st.layout) * 4;
+    }
   }
+  const uint64_t held = e.staging_total + e.sizes.host_home_bytes;
+  in.host_room_bytes = e.s.host_mem > held ? e.s.host_mem - held : 0;
   return zinf::nvme_traffic_minimum(in);
 }
 

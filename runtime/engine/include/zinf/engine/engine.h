@@ -297,17 +297,27 @@ struct MemoryReport {
 // for the backward gather is also the master the update reads; with `update_behind` the update
 // after the backward pass leaves the parameters in memory for the next forward pass, so in fp32
 // its read of the master is that pass's read.
+//
+// `gradient_spill_bytes` is what the host budget adds: the gradient accumulators of that state
+// live in host memory (where the CPU Adam reads them), and when every gradient must be final
+// before any update (clipping, fp16's overflow check, or several micro-steps to accumulate) the
+// accumulators beyond the budget's room (`accumulator_bytes` over `host_room_bytes`: the budget
+// less its staging buffers and the state homed there) must wait on NVMe: one more write and read
+// each. A step at these budgets moves at least read_bytes and written_bytes plus that.
 struct NvmeTrafficInputs {
   uint64_t param_elements = 0;
   uint64_t optimizer_elements = 0;
   DType dtype = DType::kF32;
   int gradient_accumulation_steps = 1;
-  bool clipping = true;        // gradient_clipping > 0: every norm is known before any update
-  bool update_behind = false;  // the update runs behind step() (EngineSettings::update_behind)
+  bool clipping = true;            // gradient_clipping > 0: every norm is known before any update
+  bool update_behind = false;      // the update runs behind step() (EngineSettings::update_behind)
+  uint64_t accumulator_bytes = 0;  // host-held gradient accumulators of the state on NVMe
+  uint64_t host_room_bytes = UINT64_MAX;  // what the host budget can give them
 };
 struct NvmeTraffic {
-  uint64_t read_bytes = 0;
-  uint64_t written_bytes = 0;
+  uint64_t read_bytes = 0;            // gradients counted as kept in memory
+  uint64_t written_bytes = 0;         // (the same)
+  uint64_t gradient_spill_bytes = 0;  // the accumulators the host budget cannot keep: each way
 };
 NvmeTraffic nvme_traffic_minimum(const NvmeTrafficInputs& in);
 
@@ -380,8 +390,8 @@ class Engine {
   float loss_scale() const;
   const StepInfo& last_step() const { return last_step_; }
   MemoryReport memory_report() const;
-  // nvme_traffic_minimum() for this rank's placement and settings: what a step must move at
-  // least, to hold store_stats()' per-step NVMe bytes against.
+  // nvme_traffic_minimum() for this rank's placement, settings and host budget: what a step must
+  // move at least, to hold store_stats()' per-step NVMe bytes against.
   NvmeTraffic nvme_traffic_minimum() const;
   // What the tiered store moved so far (NVMe bytes read and written, evictions, ...).
   StoreStats store_stats() const;
