@@ -608,6 +608,36 @@ TEST_F(StoreTest, PrefetchInOrderStopsAtTheFirstThatDoesNotFit) {
   expect_within_budgets();
 }
 
+// A read ahead still landing is not a copy in use: an allocation that needs its room waits for it
+// to land, then evicts it, instead of failing with the budget "exhausted" (on a loaded machine
+// the budget walk of issue 17 failed so, in the gradient buffer of a unit).
+TEST_F(StoreTest, AnAllocationWaitsForAReadAheadStillLanding) {
+  build({.device_budget = 2 << 20, .holding_device = true});
+  const TensorId a = make("a", 1 << 20, Tier::kHost);
+  write(a, Tier::kHost, 7);
+  auto held = store_->allocate_device(1 << 20, MemoryCategory::kBuffers, "held");
+  ASSERT_TRUE(held.is_ok()) << held.status().to_string();
+  {
+    auto h = store_->acquire(a, Tier::kHost);
+    ASSERT_TRUE(h.is_ok()) << h.status().to_string();
+    holding_->hold_copy_from(h->data(), h->bytes());
+  }
+  store_->prefetch(a, Tier::kDevice);
+  holding_->wait_until_holding();  // a's device copy has its storage: the budget is full
+  auto second = std::async(std::launch::async, [&] {
+    return store_->allocate_device(1 << 20, MemoryCategory::kBuffers, "second");
+  });
+  // Not before the copy lands, and no failure meanwhile.
+  EXPECT_EQ(second.wait_for(std::chrono::milliseconds(200)), std::future_status::timeout);
+  holding_->open();
+  auto got = second.get();
+  ASSERT_TRUE(got.is_ok()) << got.status().to_string();
+  EXPECT_FALSE(store_->residency(a).valid[static_cast<int>(Tier::kDevice)]);
+  held->reset();
+  expect(a, Tier::kHost, 7);
+  expect_within_budgets();
+}
+
 // A prefetch that could not get its room even by evicting everything it may take evicts nothing:
 // giving up after dropping copies would lose them for nothing.
 TEST_F(StoreTest, APrefetchThatCannotFitEvictsNothing) {

@@ -339,6 +339,23 @@ struct TieredTensorStore::Impl {
     return !(for_prefetch->room == PrefetchRoom::kCleanOnly && only_valid_copy(*t, tier));
   }
 
+  // Whether a copy in `tier` is held only while data moves (being filled, read as a source or
+  // written back) and nobody uses it: once that ends it may be evicted. A demand for memory that
+  // found no victim waits for such a copy instead of failing: a read ahead still landing is not
+  // a copy in use.
+  bool victim_settling(Tier tier) const {
+    for (const auto& tp : tensors) {
+      const Tensor* t = tp.get();
+      if (t == nullptr || t->creating || t->spec.home == tier) continue;
+      const Copy& c = t->copies[idx(tier)];
+      if (!c.allocated || c.pins > 0) continue;
+      if (c.incoming || c.reads > 0 || c.writing_back || t->copies[idx(t->spec.home)].incoming) {
+        return true;
+      }
+    }
+    return false;
+  }
+
   // Whether `bytes` could be had in `tier` by evicting what a prefetch may take: the room left
   // under the budget plus those copies. Checked before a prefetch evicts anything, so one that
   // would give up anyway takes nothing from the others. (An estimate: an allocator's rounding
@@ -830,6 +847,12 @@ Result<DeviceBuffer> TieredTensorStore::allocate_device(uint64_t bytes, MemoryCa
     }
     Status e = s.evict_one(lk, Tier::kDevice);
     if (e.code() == ErrorCode::kOutOfMemory) {
+      // A copy moving now (a read ahead landing, a write-back) is a victim once it has moved:
+      // the caller is not a mover, so the movers finish it while this waits.
+      if (s.victim_settling(Tier::kDevice)) {
+        s.cv.wait_for(lk, std::chrono::milliseconds(50));
+        continue;
+      }
       return std::move(b).take_status().with_context(what + " (every resident copy is in use)");
     }
     ZINF_RETURN_IF_ERROR(e);
