@@ -46,6 +46,7 @@ TEST(Budgets, LiveWindowAndMaxInCpuBoundTheTiers) {
                      .total_unit_elements = 86'000'000,
                      .staging_bytes = 24 * MiB,
                      .largest_param_bytes = 1'775'000 * 4,
+                     .cpu_update_bytes = 2 * 1'775'000 * 4,
                      .optimizer_offloaded = true,
                      .world = 4,
                      .nvme = true,
@@ -184,6 +185,7 @@ TEST(Budgets, OptimizerOnNvmeAndATinyMachine) {
                      .device_home_bytes = 32'000'000,
                      .staging_bytes = 24 * MiB,
                      .largest_param_bytes = 4'000'000,
+                     .cpu_update_bytes = 2 * 4'000'000,
                      .optimizer_offloaded = true,
                      .world = 2,
                      .nvme = true};

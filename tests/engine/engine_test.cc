@@ -751,6 +751,45 @@ TEST(Engine, EveryHostBudgetTheEngineAcceptsTrainsToTheSameBits) {
   EXPECT_GT(trained, 10);
 }
 
+// With the parameters and the optimizer both homed in host memory the CPU update works on the
+// home copies: the host budget needs the homed state and no room for parameter copies beside it.
+// The walk steps by less than the two parameter shards a floor counting such copies would add,
+// so the first budget accepted is within a step of what the run holds at its peak; it and every
+// budget above it train to the bits of the unbounded run.
+TEST(Engine, HostHomedStateNeedsNoRoomForParameterCopies) {
+  const testing::MlpShape shape{.dims = {64, 256, 256, 256, 256, 256, 8}};
+  EngineSettings s = base(3);
+  s.param_home = s.optimizer_home = Tier::kHost;
+  const RunResult ref = train_local(s, 2, 2, 1, shape);
+  ASSERT_TRUE(ref.status.is_ok()) << ref.status.to_string();
+  constexpr uint64_t kStep = 64 << 10;  // half a 256 x 256 shard of one of two ranks
+  uint64_t first = 0;
+  int refused = 0, trained = 0;
+  for (uint64_t budget = 1 << 20; budget <= (4u << 20); budget += kStep) {
+    s.host_mem = budget;
+    const RunResult r = train_local(s, 2, 2, 1, shape);
+    if (!r.status.is_ok()) {
+      ++refused;
+      EXPECT_EQ(trained, 0) << budget << " B refused after a smaller budget trained";
+      EXPECT_NE(r.status.message().find("is too small"), std::string::npos) << r.status.to_string();
+      EXPECT_EQ(r.status.message().find("parameter tensors"), std::string::npos)
+          << r.status.to_string();
+      continue;
+    }
+    if (trained++ == 0) {
+      first = budget;
+      EXPECT_LT(first - kStep, r.memory[0].tiers[static_cast<int>(Tier::kHost)].peak)
+          << "the first budget accepted, " << first << " B, is more than a step above the peak";
+    }
+    EXPECT_TRUE(same_bits(ref, r)) << budget << " B";
+    for (int rank = 0; rank < 2; ++rank) {
+      EXPECT_LE(r.memory[rank].tiers[static_cast<int>(Tier::kHost)].peak, s.host_mem) << budget;
+    }
+  }
+  EXPECT_GT(refused, 0);
+  EXPECT_GT(trained, 10);
+}
+
 }  // namespace
 }  // namespace zinf
 

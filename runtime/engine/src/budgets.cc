@@ -160,8 +160,8 @@ Budgets choose_budgets(const EngineSettings& s, const StateSizes& z, const Machi
     b.host_reason = "set";
   } else {
     const uint64_t share = machine.available_bytes / (z.nvme ? 8 : 4) / ranks;
-    const uint64_t floor = z.host_home_bytes + z.staging_bytes + kHostWorkingFloor +
-                           (z.optimizer_offloaded ? 2 * z.largest_param_bytes : 0);
+    const uint64_t floor =
+        z.host_home_bytes + z.staging_bytes + kHostWorkingFloor + z.cpu_update_bytes;
     if (z.nvme) {
       const uint64_t cache = std::max(s.param_max_in_cpu * wsize, kHostWorkingFloor);
       const uint64_t asked = floor - kHostWorkingFloor + cache;

@@ -90,9 +90,8 @@ class Builder {
     }
     // The host budget likewise: its staging buffers, the state homed there and, with the
     // optimizer offloaded, the two parameter tensors its update holds (the one it updates and the
-    // next, read ahead: OptimizerPipeline::sub_group_limit) must fit, or a step fails midway.
-    const uint64_t host_need = z.host_home_bytes + z.staging_bytes +
-                               (z.optimizer_offloaded ? 2 * z.largest_param_bytes : 0);
+    // next, read ahead: StateSizes::cpu_update_bytes) must fit, or a step fails midway.
+    const uint64_t host_need = z.host_home_bytes + z.staging_bytes + z.cpu_update_bytes;
     if (e.s.host_mem < host_need) {
       return make_error(
           ErrorCode::kInvalidArgument,
@@ -102,10 +101,9 @@ class Builder {
           format_bytes(static_cast<double>(host_need)),
           format_bytes(static_cast<double>(z.staging_bytes)),
           format_bytes(static_cast<double>(z.host_home_bytes)),
-          z.optimizer_offloaded
-              ? fmt::format(", and two of the largest parameter tensors ({} each) for the "
-                            "optimizer update",
-                            format_bytes(static_cast<double>(z.largest_param_bytes)))
+          z.cpu_update_bytes > 0
+              ? fmt::format(", and two parameter tensors ({} each) for the CPU optimizer's update",
+                            format_bytes(static_cast<double>(z.cpu_update_bytes / 2)))
               : std::string());
     }
     return Status::ok();

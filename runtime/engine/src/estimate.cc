@@ -108,7 +108,7 @@ Result<EstimateRow> estimate_row(const Placement& p, const std::vector<uint64_t>
   // the pinned pool.
   const bool opt_off = p.optimizer_home != Tier::kDevice;
   const bool param_off = p.param_home != Tier::kDevice;
-  const uint64_t cpu_optimizer_min = opt_off ? 2 * z.largest_param_bytes : 0;
+  const uint64_t cpu_optimizer_min = z.cpu_update_bytes;
   const uint64_t param_copies = opt_off && p.param_home == Tier::kDevice ? rank_params * w : 0;
   const uint64_t host_fixed = z.host_home_bytes + z.staging_bytes;
   const uint64_t room = budgets.host_bytes > host_fixed + cpu_optimizer_min

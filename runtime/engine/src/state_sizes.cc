@@ -50,6 +50,9 @@ StateSizes measure_state(const EngineSettings& s, const StagePolicy& policy,
     const uint64_t params = policy.param_elements(l) * wsize;
     z.largest_param_bytes = std::max(z.largest_param_bytes, params);
     home(s.param_home, params);
+    if (opt_homes[u] != Tier::kDevice && s.param_home != Tier::kHost) {
+      z.cpu_update_bytes = std::max(z.cpu_update_bytes, 2 * params);
+    }
     home(opt_homes[u],
          policy.owned_elements(l) * (mixed ? 12 : 8) + policy.accumulator_elements(l) * 4);
   }
