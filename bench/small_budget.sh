@@ -22,15 +22,18 @@ MODEL=(--model small --layers 8 --dim 1024 --heads 16 --seq 64 --batch 1 --ranks
 [ "$STEPS" -ge 3 ] || { echo "STEPS must be at least 3" >&2; exit 2; }
 mkdir -p "$DIR"
 TMP=$(mktemp -d)
-trap 'rm -rf "$TMP"; rm -rf "$DIR"/zinf-*' EXIT
+# The runs' swap lives in a directory of this script's own: other runs sharing DIR keep theirs.
+SWAP=$(mktemp -d "$DIR/small_budget.XXXXXX")
+trap 'rm -rf "$TMP" "$SWAP"' EXIT
 
-bw() { "$ZINF" bench io --path "$DIR" --size 1G --block-size 1M --queue-depth 8 --rw "$1" --json |
+bw() { "$ZINF" bench io --path "$SWAP" --size 1G --block-size 1M --queue-depth 8 --rw "$1" --json |
        python3 -c 'import json,sys; print(json.load(sys.stdin)["bytes_per_s"])'; }
 
 for r in $(seq "$ROUNDS"); do
-  rm -rf "$DIR"/zinf-*
-  "$ZINF" train "${MODEL[@]}" --offload-param nvme --offload-optimizer nvme --nvme-path "$DIR" \
-    --device-mem 512M --host-mem 512M --log-json "$TMP/offloaded.json" "${EXTRA_FLAGS[@]}"
+  rm -rf "${SWAP:?}"/*
+  "$ZINF" train "${MODEL[@]}" --offload-param nvme --offload-optimizer nvme --nvme-path "$SWAP" \
+    --device-mem 512M --host-mem 512M --log-json "$TMP/offloaded.json" \
+    ${EXTRA_FLAGS[@]+"${EXTRA_FLAGS[@]}"}
   read_bw=$(bw read)
   write_bw=$(bw write)
   "$ZINF" train "${MODEL[@]}" --log-json "$TMP/memory.json"
@@ -39,7 +42,7 @@ import json, statistics, sys
 off, mem, read_bw, write_bw, rnd = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
 steps = lambda f: [l for l in map(json.loads, open(f)) if "step" in l]
 s = steps(off)[1:-1]
-mem_s = statistics.median(x["seconds"] for x in steps(mem)[1:])
+mem_s = statistics.median(x["seconds"] for x in steps(mem)[1:-1])  # the same steps as `s`
 io = [x["nvme_read_bytes"] / read_bw + x["nvme_written_bytes"] / write_bw for x in s]
 step = statistics.median(x["seconds"] for x in s)
 io_s = statistics.median(io)

@@ -12,10 +12,12 @@
 # master once more (20). The copies it keeps for that pass can also serve a backward use when the
 # budget has room (the host budget here is three quarters of the state): those runs must move at
 # least 0.9 times the minimum.
-# The gradient accumulators (4 bytes per parameter) wait for the last gradient with clipping and
-# with two micro-steps, and the host budget's room (less its staging buffers) holds only part of
-# them here: the log's nvme_gradient_spill_minimum_bytes is the rest (an independent copy of that
-# formula too), and every step moves at least that much more, each way.
+# The gradient accumulators (4 bytes per parameter) wait for the last gradient with clipping, and
+# between micro-steps with two, and the host budget's room (less its staging buffers) holds only
+# part of them here: at each wait the rest is on NVMe. The log's
+# nvme_gradient_spill_minimum_bytes is that rest times the waits (an independent copy of that
+# formula too: two waits with clipping and two micro-steps), and every step moves at least that
+# much more, each way.
 #
 #   traffic_minimum.sh ZINF DIR
 set -u
@@ -28,7 +30,7 @@ status=0
 # [fused | inside (update_behind off)]. (The NVMe-homed state is 52 MB in fp32 and 58 MB in bf16.)
 echo '{"zinf": {"update_behind": false}}' > "$dir/inside.json"
 for c in "fp32 0 1 16 12 40M" "fp32 1 1 16 12 40M" "fp32 1 1 20 12 40M inside" \
-  "bf16 1 1 16 14 40M" "bf16 0 2 20 14 40M" "fp32 0 1 16 12 48M fused" "bf16 0 1 16 14 48M fused"; do
+  "bf16 1 1 16 14 40M" "bf16 0 2 20 14 40M" "fp32 1 2 24 12 40M" "fp32 0 1 16 12 48M fused" "bf16 0 1 16 14 48M fused"; do
   set -- $c
   host=$6 mode=${7:-}
   fused=$([ "$mode" = fused ] && echo fused)
@@ -36,18 +38,21 @@ for c in "fp32 0 1 16 12 40M" "fp32 1 1 16 12 40M" "fp32 1 1 20 12 40M inside" \
     ${fused:+--overlap-optimizer} $([ "$mode" = inside ] && echo "--config $dir/inside.json") \
     --offload-param nvme --offload-optimizer nvme --nvme-path "$dir/swap" --device-mem 16M \
     --host-mem "$host" --quiet --log-json "$dir/log.json" || { echo "$c: exit $?"; status=1; continue; }
-  python3 - "$dir/log.json" "$params" "$4" "$5" "$c" "$mode" "$2" "$3" <<'PY' || status=1
+  python3 - "$dir/log.json" "$params" "$4" "$5" "$c" "$mode" "$2" "$3" "$1" <<'PY' || status=1
 import json, sys
 log, params, per_read, per_written, case = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 fused = sys.argv[6] == "fused"
-waits = float(sys.argv[7]) > 0 or int(sys.argv[8]) > 1  # clipping, or two micro-steps
+# Waits of the accumulators: after each micro-step's backward pass but the last, and after the
+# last too unless the update is fused (no clipping, not fp16).
+gas = int(sys.argv[8])
+waits = gas if float(sys.argv[7]) > 0 or sys.argv[9] == "fp16" else gas - 1
 floor = 1.0 if sys.argv[6] in ("fused", "inside") else 0.9
 lines = list(map(json.loads, open(log)))
 settings = next(l["settings"] for l in lines if "settings" in l)
 host = next(l["budgets"]["host_bytes"] for l in lines if "budgets" in l)
 # The store's staging: a lane per mover (2) and one more, each of staging_buffers buffers.
 staging = 3 * max(settings["staging_buffers"], 2) * settings["staging_bytes"]
-spill = max(0, 4 * params - (host - staging)) if waits else 0
+spill = waits * max(0, 4 * params - (host - staging))
 steps = [l for l in lines if "step" in l]
 ok = True
 for s in steps:

@@ -73,9 +73,11 @@ TEST(NvmeTrafficMinimum, HandCountedCases) {
 
   // The host budget: 4000 bytes of accumulators and room for 1500. With clipping every gradient
   // waits for the norm, so 2500 bytes of them wait on NVMe (a write and a read, reported apart
-  // from the bytes above); the same with fp16 (the overflow check) and with two micro-steps
-  // (accumulated across them). fp32 without clipping, one micro-step: each gradient can be taken
-  // by its update as it is final, so none has to wait. Room for them all: none waits either.
+  // from the bytes above); the same with fp16 (the overflow check) and, without those, with two
+  // micro-steps (accumulated across them; the second's go straight to the update). With both,
+  // they wait twice: after the first micro-step and for the norm. fp32 or bf16 without clipping,
+  // one micro-step: each gradient can be taken by its update as it is final, so none has to wait.
+  // Room for them all, to the byte: none waits either.
   auto spill = [](NvmeTrafficInputs in) { return nvme_traffic_minimum(in).gradient_spill_bytes; };
   in = both;
   in.accumulator_bytes = 4000;
@@ -86,13 +88,24 @@ TEST(NvmeTrafficMinimum, HandCountedCases) {
   EXPECT_EQ(spill(in), 2500u);
   in.clipping = false;
   EXPECT_EQ(spill(in), 0u);
+  in.dtype = DType::kBF16;
+  EXPECT_EQ(spill(in), 0u);
+  in.dtype = DType::kF32;
   in.gradient_accumulation_steps = 2;
   EXPECT_EQ(spill(in), 2500u);
+  in.clipping = true;
+  EXPECT_EQ(spill(in), 5000u);
+  in.gradient_accumulation_steps = 3;
+  EXPECT_EQ(spill(in), 7500u);
+  in.clipping = false;
+  EXPECT_EQ(spill(in), 5000u);
   in.gradient_accumulation_steps = 1;
   in.dtype = DType::kF16;
   EXPECT_EQ(spill(in), 2500u);
   in.host_room_bytes = 4000;
   EXPECT_EQ(spill(in), 0u);
+  in.host_room_bytes = 3999;
+  EXPECT_EQ(spill(in), 1u);
 }
 
 TEST(Estimate, HandComputedFp32) {

@@ -582,10 +582,12 @@ NvmeTraffic nvme_traffic_minimum(const NvmeTrafficInputs& in) {
   // unless the next forward pass takes the parameters it updated from memory (update_behind).
   if (!mixed && !fused && !in.update_behind) t.read_bytes += in.param_elements * 4;
   t.written_bytes += in.optimizer_elements * optimizer_state + in.param_elements * w;
-  // Accumulators wait for the last gradient (the norm, the overflow check, the last micro-step):
-  // what the host budget cannot hold then is on NVMe.
-  if ((!fused || gas > 1) && in.accumulator_bytes > in.host_room_bytes) {
-    t.gradient_spill_bytes = in.accumulator_bytes - in.host_room_bytes;
+  // Accumulators wait for the next micro-step's gradients and, unless the update is fused, for
+  // the last gradient (the norm, the overflow check): at each wait what the host budget cannot
+  // hold is on NVMe, written and read back.
+  const uint64_t waits = fused ? gas - 1 : gas;
+  if (in.accumulator_bytes > in.host_room_bytes) {
+    t.gradient_spill_bytes = waits * (in.accumulator_bytes - in.host_room_bytes);
   }
   return t;
 }

@@ -303,7 +303,10 @@ struct MemoryReport {
 // before any update (clipping, fp16's overflow check, or several micro-steps to accumulate) the
 // accumulators beyond the budget's room (`accumulator_bytes` over `host_room_bytes`: the budget
 // less its staging buffers and the state homed there) must wait on NVMe: one more write and read
-// each. A step at these budgets moves at least read_bytes and written_bytes plus that.
+// each, at every wait. A step of g micro-steps waits g times (after each micro-step's backward
+// pass; the last one's wait is for the norm) or, when its update could be fused, g - 1 times
+// (the last micro-step's gradients go straight to the update). A step at these budgets moves at
+// least read_bytes and written_bytes plus that.
 struct NvmeTrafficInputs {
   uint64_t param_elements = 0;
   uint64_t optimizer_elements = 0;
@@ -317,7 +320,7 @@ struct NvmeTrafficInputs {
 struct NvmeTraffic {
   uint64_t read_bytes = 0;            // gradients counted as kept in memory
   uint64_t written_bytes = 0;         // (the same)
-  uint64_t gradient_spill_bytes = 0;  // the accumulators the host budget cannot keep: each way
+  uint64_t gradient_spill_bytes = 0;  // accumulators the host budget cannot keep, each way, x waits
 };
 NvmeTraffic nvme_traffic_minimum(const NvmeTrafficInputs& in);
 
