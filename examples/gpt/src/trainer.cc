@@ -379,14 +379,6 @@ Result<double> through_engine(Engine& engine, Buffers& buffers, Run&& run) {
   }
 }
 
-uint64_t largest_unit_numel(const GptConfig& cfg) {
-  uint64_t m = 0;
-  for (int u = 0; u < cfg.num_units(); ++u) {
-    m = std::max<uint64_t>(m, static_cast<uint64_t>(unit_numel(unit_kind(cfg, u), cfg)));
-  }
-  return m;
-}
-
 struct Shared {
   std::mutex mu;
   TrainReport report;
@@ -795,20 +787,10 @@ Status check_train_options(const TrainOptions& o) {
     return make_error(ErrorCode::kInvalidArgument,
                       "sequence length {} is longer than the model's context {}", T, o.model.seq);
   }
-  // The device budget is checked by the engine, which knows the whole working set (state homed
-  // there, persistent units, the unit at work and its gradient); the host budget here.
+  // The device and host budgets are checked by the engine when it is built, which knows the
+  // whole working set (state homed there, staging, the unit at work, the CPU update's copies).
   const uint64_t wsize = dtype_size(o.engine.dtype);
-  const uint64_t unit = largest_unit_numel(o.model);
-  const int world = o.launch ? 1 : o.ranks;  // ranks in this process
   const uint64_t P = static_cast<uint64_t>(parameter_count(o.model));
-  if (o.engine.optimizer_home == Tier::kHost && o.engine.host_mem &&
-      o.engine.host_mem < 16 * unit / static_cast<uint64_t>(world) + (32ull << 20)) {
-    return make_error(ErrorCode::kInvalidArgument,
-                      "--host-mem {} is too small for CPU optimizer offload: one unit's optimizer "
-                      "state and the staging buffers need {}",
-                      format_bytes(static_cast<double>(o.engine.host_mem)),
-                      format_bytes(16.0 * unit / world + (32ull << 20)));
-  }
   // NVMe: room for what goes there (every local rank writes to the same paths).
   uint64_t nvme_bytes = 0;
   if (o.engine.param_home == Tier::kNvme) nvme_bytes += P * wsize;

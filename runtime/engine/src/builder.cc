@@ -50,7 +50,6 @@ class Builder {
     const EngineSettings& s = e.s;
     const StateSizes z = measure_state(s, e.policy, layouts, opt_homes, e.world);
     e.staging_total = z.staging_bytes;
-    e.largest_param_bytes = z.largest_param_bytes;
     MachineMemory machine{.total_bytes = uint64_t{1} << 40, .available_bytes = uint64_t{1} << 40};
     if (s.device_mem == 0 || s.host_mem == 0) {
       ZINF_ASSIGN_OR_RETURN(machine, read_machine_memory());

@@ -107,7 +107,6 @@ struct EngineState {
   // Gradient reductions left in flight across scopes (overlap_comm: 2, fewer when the device
   // budget holds fewer gradient buffers; budgets.h reductions_that_fit).
   int max_reductions_in_flight = 2;
-  uint64_t largest_param_bytes = 0;  // this rank's largest parameter tensor
   std::unique_ptr<io::IoEngine> io;
   std::unique_ptr<io::SwapSpace> swap;
   std::unique_ptr<Device> device;

@@ -87,10 +87,11 @@ uint64_t OptimizerPipeline::sub_group_limit() const {
   const uint64_t limit = e_.s.sub_group_elements;
   if (limit == 0 || e_.s.optimizer_home == Tier::kDevice) return limit;
   // Per element of a group: fp32 master (mixed), m, v and gradient accumulator. A unit's
-  // parameter tensor is acquired whole for its pieces' updates: two of the largest (the one being
-  // updated, the next read ahead) and the staging buffers come off the budget first.
+  // parameter tensor is acquired whole for its pieces' updates: the two it holds (the one being
+  // updated, the next read ahead: StateSizes::cpu_update_bytes) and the staging buffers come off
+  // the budget first.
   const uint64_t bytes_per_element = e_.mixed ? 16 : 12;
-  const uint64_t reserved = e_.staging_total + 2 * e_.largest_param_bytes;
+  const uint64_t reserved = e_.staging_total + e_.sizes.cpu_update_bytes;
   const uint64_t fit =
       (e_.s.host_mem - std::min(e_.s.host_mem, reserved)) / (3 * bytes_per_element);
   return std::min(limit, std::max(fit / kernels::kSumSquaresBlockElems, uint64_t{1}) *

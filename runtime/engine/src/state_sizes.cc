@@ -48,7 +48,6 @@ StateSizes measure_state(const EngineSettings& s, const StagePolicy& policy,
       z.persistent_elements += l.numel_padded;
     }
     const uint64_t params = policy.param_elements(l) * wsize;
-    z.largest_param_bytes = std::max(z.largest_param_bytes, params);
     home(s.param_home, params);
     if (opt_homes[u] != Tier::kDevice && s.param_home != Tier::kHost) {
       z.cpu_update_bytes = std::max(z.cpu_update_bytes, 2 * params);

@@ -26,7 +26,8 @@ std::vector<Tier> optimizer_homes(const EngineSettings& s,
 
 // The sizes budgets.h works from: homed bytes per tier (parameters in the working dtype; fp32
 // m, v, gradient accumulator and, in mixed precision, master of the elements this rank owns,
-// where each unit's optimizer lives), the largest unit and parameter tensor, staging.
+// where each unit's optimizer lives), the largest unit, the CPU update's parameter copies,
+// staging.
 StateSizes measure_state(const EngineSettings& s, const StagePolicy& policy,
                          const std::vector<zero::ShardLayout>& layouts,
                          const std::vector<Tier>& opt_homes, int world);

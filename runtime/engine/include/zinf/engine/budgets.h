@@ -61,8 +61,6 @@ struct StateSizes {
   uint64_t host_home_bytes = 0;    // state homed in host memory
   uint64_t nvme_home_bytes = 0;    // state homed on NVMe
   uint64_t staging_bytes = 0;      // the store's staging buffers (from the host budget)
-  // This rank's largest parameter tensor (a stage-3 shard, or a whole unit).
-  uint64_t largest_param_bytes = 0;
   // Host memory the CPU optimizer's update holds beyond the homed state: two parameter tensors
   // (one updated, the next read ahead), the largest of the units whose optimizer is offloaded;
   // none with parameters homed in host memory (the update works on the home copies, counted in
