@@ -44,9 +44,16 @@ for case in $CASES; do
   bs=${case%%:*}; qd=${case##*:}
   for rw in read write; do
     z=(); f=()
+    # Which tool goes first alternates from run to run, so that a disk that is faster (or
+    # slower) right after the other tool's run favours neither.
     for ((i = 0; i < RUNS; i++)); do
-      f+=("$(fio_bw $rw $bs $qd)")
-      z+=("$(zinf_bw $rw $bs $qd)")
+      if ((i % 2 == 0)); then
+        f+=("$(fio_bw $rw $bs $qd)")
+        z+=("$(zinf_bw $rw $bs $qd)")
+      else
+        z+=("$(zinf_bw $rw $bs $qd)")
+        f+=("$(fio_bw $rw $bs $qd)")
+      fi
     done
     python3 - "$rw" "$bs" "$qd" "${z[*]}" "${f[*]}" <<'PY'
 import json, statistics, sys

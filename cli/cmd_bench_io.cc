@@ -20,6 +20,7 @@ struct Args {
   int64_t threads = 1;
   bool json = false;
   bool no_fixed_buffers = false;
+  bool no_defer_taskrun = false;
 };
 
 void run(const Args& a) {
@@ -32,6 +33,7 @@ void run(const Args& a) {
   o.queue_depth = static_cast<uint32_t>(a.queue_depth);
   o.threads = static_cast<uint32_t>(a.threads);
   o.fixed_buffers = !a.no_fixed_buffers;
+  o.defer_taskrun = !a.no_defer_taskrun;
   auto pattern = io::parse_pattern(a.rw);
   if (!pattern.is_ok()) throw CliError(pattern.status().message(), 2);
   o.pattern = *pattern;
@@ -63,6 +65,7 @@ void run(const Args& a) {
                         {"iops", r->iops},
                         {"direct", r->direct},
                         {"fixed_buffers", o.fixed_buffers},
+                        {"defer_taskrun", r->deferred},
                         {"verified_bytes", r->verified_sectors * 4096},
                         {"paths", a.paths}};
     std::printf("%s\n", j.dump().c_str());
@@ -99,6 +102,8 @@ const Registration kBenchIo{
       sub.add_flag("--json", a->json, "Print one JSON object instead of the table");
       sub.add_flag("--no-fixed-buffers", a->no_fixed_buffers,
                    "Do not register the buffers with io_uring");
+      sub.add_flag("--no-defer-taskrun", a->no_defer_taskrun,
+                   "Create the rings without IORING_SETUP_SINGLE_ISSUER | DEFER_TASKRUN");
       sub.callback([a] { run(*a); });
     }};
 

@@ -297,7 +297,8 @@ Result<IoBenchResult> run_io_bench(const IoBenchOptions& o, const IoBenchProgres
   ZINF_ASSIGN_OR_RETURN(auto engine, IoEngine::create({.queue_depth = o.queue_depth,
                                                        .block_size = o.block_size,
                                                        .rings = o.threads,
-                                                       .fixed_buffers = o.fixed_buffers}));
+                                                       .fixed_buffers = o.fixed_buffers,
+                                                       .defer_taskrun = o.defer_taskrun}));
   for (const File& file : files) ZINF_RETURN_IF_ERROR(engine->register_file(file));
   std::vector<AlignedBuffer> slots;
   std::vector<int> registered;
@@ -328,6 +329,7 @@ Result<IoBenchResult> run_io_bench(const IoBenchOptions& o, const IoBenchProgres
   Pass timed(*engine, files, o, write, random, slots);
   ZINF_RETURN_IF_ERROR(timed.run(pattern_name(o.pattern), progress, &seconds));
   result.seconds = seconds;
+  result.deferred = engine->stats().deferred_rings == o.threads;
   result.verified_sectors = timed.verified_sectors();
   if (write) {  // read back what was written (untimed)
     double verify_seconds = 0;

@@ -3,6 +3,7 @@
 #include <liburing.h>
 #include <poll.h>
 #include <sys/eventfd.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -10,6 +11,8 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <functional>
+#include <future>
 #include <limits>
 #include <mutex>
 #include <optional>
@@ -70,29 +73,66 @@ class IoEngine::Ring {
   Ring(IoEngine& engine, uint32_t index) : engine_(engine), index_(index) {}
   ~Ring() { stop(std::chrono::steady_clock::now()); }
 
+  // Creates the ring (not yet its thread). With options.defer_taskrun the ring is created
+  // disabled with IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN, as fio does: only its
+  // own thread then enters it, and completions run when that thread asks for them rather than as
+  // task work that interrupts it. Kernels without them (before 6.1) get COOP_TASKRUN, or nothing.
   Status init() {
     const auto& o = engine_.options_;
     unsigned entries = o.queue_depth + 2;  // + the eventfd wake-up read
+    const unsigned coop = IORING_SETUP_COOP_TASKRUN;
+    const unsigned deferred =
+        coop | IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN | IORING_SETUP_R_DISABLED;
+    int rc = -EINVAL;
     io_uring_params params{};
-    params.flags = IORING_SETUP_COOP_TASKRUN;
-    int rc = io_uring_queue_init_params(entries, &ring_, &params);
-    if (rc == -EINVAL) {  // older kernel: no COOP_TASKRUN
+    for (unsigned flags : {o.defer_taskrun ? deferred : coop, coop, 0u}) {
       params = {};
+      params.flags = flags;
       rc = io_uring_queue_init_params(entries, &ring_, &params);
+      if (rc != -EINVAL) break;
     }
     if (rc < 0) {
       return errno_status(rc, fmt::format("cannot create io_uring ring {} (queue depth {})", index_,
                                           o.queue_depth));
     }
     ring_ok_ = true;
+    single_issuer_ = (params.flags & IORING_SETUP_SINGLE_ISSUER) != 0;
     timed_wait_ = (params.features & IORING_FEAT_EXT_ARG) != 0;
     event_fd_ = ::eventfd(0, EFD_CLOEXEC);
     if (event_fd_ < 0) return errno_status(errno, "cannot create eventfd for io_uring ring");
     chunks_.resize(o.queue_depth);
     for (uint32_t i = 0; i < o.queue_depth; ++i) free_chunks_.push_back(&chunks_[i]);
-    thread_ = std::thread([this] { loop(); });
+    fixed_buffer_ok_.assign(o.max_registered_buffers, false);
+    fixed_file_ok_.assign(o.max_registered_files, false);
     return Status::ok();
   }
+
+  // Starts the ring's thread. A single-issuer ring is enabled by that thread, which makes it the
+  // ring's only submitter; from then on every io_uring_register call on it must come from there
+  // too, so table updates are queued to it (update_buffer, update_file).
+  Status start() {
+    std::future<int> result = enabled_.get_future();
+    thread_ = std::thread([this] {
+      tls_ring_ = this;
+      // liburing 2.3 declares io_uring_enable_rings but does not export it.
+      int rc = 0;
+      if (single_issuer_ && ::syscall(__NR_io_uring_register, ring_.ring_fd,
+                                      IORING_REGISTER_ENABLE_RINGS, nullptr, 0) < 0) {
+        rc = -errno;
+      }
+      enabled_.set_value(rc);
+      if (rc < 0) return;
+      loop();
+    });
+    int rc = result.get();
+    if (rc < 0) {
+      thread_.join();
+      return errno_status(rc, fmt::format("cannot enable io_uring ring {}", index_));
+    }
+    return Status::ok();
+  }
+
+  bool single_issuer() const { return single_issuer_; }
 
   // Called once per ring at engine creation, before any request.
   bool register_sparse_buffers(uint32_t n) {
@@ -101,14 +141,35 @@ class IoEngine::Ring {
   bool register_sparse_files(uint32_t n) {
     return n > 0 && io_uring_register_files_sparse(&ring_, n) == 0;
   }
-  int update_buffer(int slot, const iovec* iov) {
-    __u64 tag = 0;
-    int rc = io_uring_register_buffers_update_tag(&ring_, slot, iov, &tag, 1);
-    return rc < 0 ? rc : 0;
+  // Table updates, queued to the ring's thread (run at once when called there). The thread runs
+  // them before it takes any request submitted after them (take_incoming), so a request never
+  // names a slot its ring has not seen. Nothing here waits for the ring thread: a caller may hold
+  // a lock that a completion callback takes. If the kernel refuses an update (RLIMIT_MEMLOCK,
+  // ...), the ring uses plain reads and writes for that slot and warns once.
+  void update_buffer(int slot, iovec iov) {
+    run_on_ring([this, slot, iov]() mutable {
+      __u64 tag = 0;
+      int rc = io_uring_register_buffers_update_tag(&ring_, slot, &iov, &tag, 1);
+      fixed_buffer_ok_[slot] = rc >= 0 && iov.iov_base != nullptr;
+      if (rc < 0) {
+        log::warn_once(fmt::format("io:fixedbuf-refused:{}", index_),
+                       fmt::format("io_uring ring {} could not register a {}-byte I/O buffer: {}; "
+                                   "requests in it use plain reads and writes (reported once)",
+                                   index_, iov.iov_len, std::strerror(-rc)));
+      }
+    });
   }
-  int update_file(int slot, int fd) {
-    int rc = io_uring_register_files_update(&ring_, slot, &fd, 1);
-    return rc < 0 ? rc : 0;
+  void update_file(int slot, int fd) {
+    run_on_ring([this, slot, fd]() mutable {
+      int rc = io_uring_register_files_update(&ring_, slot, &fd, 1);
+      fixed_file_ok_[slot] = rc >= 0 && fd >= 0;
+      if (rc < 0) {
+        log::warn_once(fmt::format("io:fixedfile-refused:{}", index_),
+                       fmt::format("io_uring ring {} could not register a file: {}; requests on it "
+                                   "use its descriptor (reported once)",
+                                   index_, std::strerror(-rc)));
+      }
+    });
   }
 
   void enqueue(Pending&& p) {
@@ -157,6 +218,7 @@ class IoEngine::Ring {
     s.bytes_read += stats_.bytes_read.load();
     s.bytes_written += stats_.bytes_written.load();
     s.fixed_buffer_chunks += stats_.fixed_buffer_chunks.load();
+    s.deferred_rings += single_issuer_ ? 1 : 0;
   }
 
  private:
@@ -175,6 +237,22 @@ class IoEngine::Ring {
     uint32_t retries = 0;
     bool corrupt = false;  // fault injection: flip a byte of what this read brings in
   };
+
+  // Runs `fn` (an io_uring_register call and its bookkeeping) on the ring's thread: at once when
+  // called there or before the thread runs, else queued for it and the thread woken. Once the
+  // thread has exited (engine shutdown) it is dropped: the ring is closed right after.
+  void run_on_ring(std::function<void()> fn) {
+    if (tls_ring_ == this || !thread_.joinable()) {
+      fn();
+      return;
+    }
+    {
+      std::lock_guard lock(mu_);
+      if (exited_) return;
+      controls_.push_back(std::move(fn));
+    }
+    wake_up();
+  }
 
   void wake_up() {
     uint64_t one = 1;
@@ -258,12 +336,18 @@ class IoEngine::Ring {
     io_uring_sqe_set_data64(sqe, kEventTag);
   }
 
+  // Table updates first, then the requests: both are taken under one lock, so every update
+  // queued before a request is applied before that request is issued.
   void take_incoming() {
-    std::lock_guard lock(mu_);
-    while (!incoming_.empty()) {
-      active_.push_back(new Op{std::move(incoming_.front())});
-      incoming_.pop_front();
+    std::deque<std::function<void()>> controls;
+    std::deque<Pending> incoming;
+    {
+      std::lock_guard lock(mu_);
+      controls.swap(controls_);
+      incoming.swap(incoming_);
     }
+    for (auto& fn : controls) fn();
+    for (auto& p : incoming) active_.push_back(new Op{std::move(p)});
   }
 
   // Hands chunks to the kernel while there is room in the queue.
@@ -323,9 +407,10 @@ class IoEngine::Ring {
     }
 
     io_uring_sqe* sqe = get_sqe(c);
-    int fd = op->p.file_slot >= 0 ? op->p.file_slot : r.file->fd();
+    const bool fixed_file = op->p.file_slot >= 0 && fixed_file_ok_[op->p.file_slot];
+    int fd = fixed_file ? op->p.file_slot : r.file->fd();
     auto n = static_cast<unsigned>(len);
-    if (op->p.buf_index >= 0) {
+    if (op->p.buf_index >= 0 && fixed_buffer_ok_[op->p.buf_index]) {
       ++stats_.fixed_buffer_chunks;
       if (r.op == IoOp::kRead) {
         io_uring_prep_read_fixed(sqe, fd, buf, n, offset, op->p.buf_index);
@@ -337,7 +422,7 @@ class IoEngine::Ring {
     } else {
       io_uring_prep_write(sqe, fd, buf, n, offset);
     }
-    if (op->p.file_slot >= 0) sqe->flags |= IOSQE_FIXED_FILE;
+    if (fixed_file) sqe->flags |= IOSQE_FIXED_FILE;
     io_uring_sqe_set_data(sqe, c);
     // aio.single_submit: every chunk goes to the kernel on its own (one system call each).
     if (engine_.options_.single_submit) enter(0);
@@ -418,7 +503,6 @@ class IoEngine::Ring {
   uint32_t in_flight() const { return static_cast<uint32_t>(chunks_.size() - free_chunks_.size()); }
 
   void loop() {
-    tls_ring_ = this;
     arm_wakeup();
     while (true) {
       take_incoming();
@@ -435,9 +519,13 @@ class IoEngine::Ring {
       {
         std::lock_guard lock(mu_);
         stopping = stopping_;
-        if (idle() && stopping_ && incoming_.empty()) break;
+        if (idle() && stopping_ && incoming_.empty() && controls_.empty()) {
+          exited_ = true;
+          break;
+        }
         if (stopping_ && std::chrono::steady_clock::now() >= stop_deadline_) {
           abandon();
+          exited_ = true;
           break;
         }
         // A callback run by fill() may have enqueued to this ring without a wake-up (it is this
@@ -446,6 +534,7 @@ class IoEngine::Ring {
           if (broken_.is_ok()) enter(0);
           continue;
         }
+        if (!controls_.empty()) continue;
       }
       if (!broken_.is_ok()) {
         wait_broken();
@@ -467,6 +556,7 @@ class IoEngine::Ring {
       bool rearm = reap();
       if (rearm) arm_wakeup();
     }
+    take_incoming();  // table updates queued before exited_ was set (none can be after)
     tls_ring_ = nullptr;
   }
 
@@ -498,6 +588,8 @@ class IoEngine::Ring {
       uint64_t value;
       (void)!::read(event_fd_, &value, sizeof(value));
     }
+    // A DEFER_TASKRUN ring posts completions only when its thread asks for them.
+    if (single_issuer_) (void)io_uring_get_events(&ring_);
     (void)reap();
   }
 
@@ -538,20 +630,26 @@ class IoEngine::Ring {
   uint32_t index_;
   io_uring ring_{};
   bool ring_ok_ = false;
+  bool single_issuer_ = false;  // SINGLE_ISSUER | DEFER_TASKRUN: only the ring thread enters it
   bool timed_wait_ = false;  // IORING_FEAT_EXT_ARG: io_uring_submit_and_wait_timeout needs no SQE
   int event_fd_ = -1;
   uint64_t event_value_ = 0;
+  std::promise<int> enabled_;  // start(): the thread's io_uring_enable_rings result
   std::thread thread_;
 
   std::mutex mu_;
   std::deque<Pending> incoming_;                         // guarded by mu_
+  std::deque<std::function<void()>> controls_;           // guarded by mu_: table updates
   bool stopping_ = false;                                // guarded by mu_
+  bool exited_ = false;                                  // guarded by mu_: loop() returned
   std::chrono::steady_clock::time_point stop_deadline_;  // guarded by mu_
 
   // Owned by the ring thread.
   std::deque<Op*> active_;  // requests not yet fully carved into chunks
   std::vector<Chunk> chunks_;
   std::vector<Chunk*> free_chunks_;
+  std::vector<bool> fixed_buffer_ok_;  // per buffer slot: registered on this ring
+  std::vector<bool> fixed_file_ok_;    // per file slot: registered on this ring
   std::vector<std::pair<Chunk*, int>> synthetic_;
   std::vector<std::pair<Chunk*, int>> reaped_;
   std::deque<Chunk*> sq_order_;  // the chunk of each SQE the kernel has not taken yet, in order
@@ -599,7 +697,8 @@ Result<std::unique_ptr<IoEngine>> IoEngine::create(const IoEngineOptions& option
   auto& reg = *engine->registry_;
   for (uint32_t i = 0; i < options.rings; ++i) {
     auto ring = std::make_unique<Ring>(*engine, i);
-    // Sparse tables are created before the ring thread runs.
+    // Sparse tables are created before the ring thread runs (a single-issuer ring is still
+    // disabled, so this thread may register on it).
     Status s = ring->init();
     if (!s.is_ok()) return s;
     if (options.fixed_buffers && reg.buffers_available) {
@@ -608,6 +707,8 @@ Result<std::unique_ptr<IoEngine>> IoEngine::create(const IoEngineOptions& option
     if (options.fixed_files && reg.files_available) {
       reg.files_available = ring->register_sparse_files(options.max_registered_files);
     }
+    s = ring->start();
+    if (!s.is_ok()) return s;
     engine->rings_.push_back(std::move(ring));
   }
   reg.buffers_available = reg.buffers_available && options.fixed_buffers;
@@ -743,14 +844,7 @@ Result<int> IoEngine::register_buffer(void* base, uint64_t length) {
   }
   int slot = static_cast<int>(free_slot - reg.buffer_slot_used.begin());
   iovec iov{base, length};
-  for (size_t i = 0; i < rings_.size(); ++i) {
-    int rc = rings_[i]->update_buffer(slot, &iov);
-    if (rc < 0) {
-      iovec empty{nullptr, 0};
-      for (size_t j = 0; j < i; ++j) rings_[j]->update_buffer(slot, &empty);
-      return errno_status(rc, fmt::format("cannot register a {}-byte I/O buffer", length));
-    }
-  }
+  for (auto& ring : rings_) ring->update_buffer(slot, iov);
   reg.buffer_slot_used[slot] = true;
   auto addr = reinterpret_cast<uintptr_t>(base);
   auto pos = std::lower_bound(reg.buffers.begin(), reg.buffers.end(), addr,
@@ -766,8 +860,7 @@ Status IoEngine::unregister_buffer(int slot) {
       !reg.buffer_slot_used[slot]) {
     return make_error(ErrorCode::kInvalidArgument, "buffer slot {} is not registered", slot);
   }
-  iovec empty{nullptr, 0};
-  for (auto& ring : rings_) ring->update_buffer(slot, &empty);
+  for (auto& ring : rings_) ring->update_buffer(slot, iovec{nullptr, 0});
   reg.buffer_slot_used[slot] = false;
   std::erase_if(reg.buffers, [slot](const Registry::Buffer& b) { return b.slot == slot; });
   return Status::ok();
@@ -781,13 +874,7 @@ Status IoEngine::register_file(const File& file) {
   auto free_slot = std::find(reg.file_slot_used.begin(), reg.file_slot_used.end(), false);
   if (free_slot == reg.file_slot_used.end()) return Status::ok();  // table full: use the fd
   int slot = static_cast<int>(free_slot - reg.file_slot_used.begin());
-  for (size_t i = 0; i < rings_.size(); ++i) {
-    int rc = rings_[i]->update_file(slot, file.fd());
-    if (rc < 0) {
-      for (size_t j = 0; j < i; ++j) rings_[j]->update_file(slot, -1);
-      return errno_status(rc, fmt::format("cannot register {} with io_uring", file.path()));
-    }
-  }
+  for (auto& ring : rings_) ring->update_file(slot, file.fd());
   reg.file_slot_used[slot] = true;
   reg.file_slot[file.fd()] = slot;
   return Status::ok();

@@ -1,11 +1,13 @@
 #include "zinf/io/io_engine.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <xxhash.h>
 
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <future>
 #include <random>
 #include <thread>
 #include <vector>
@@ -317,6 +319,133 @@ TEST_F(IoEngineTest, RegisteredBuffersAndFilesAreUsed) {
   ASSERT_TRUE(e->read(f, 0, in.data(), in.size()).is_ok());
   EXPECT_EQ(e->stats().fixed_buffer_chunks, 32u);
   EXPECT_TRUE(e->unregister_file(f).is_ok());
+}
+
+// With single-issuer rings (the default where the kernel has them) only a ring's own thread may
+// register on it: buffers and files registered from the caller's thread must still reach every
+// ring, so that each ring's chunks use them.
+TEST_F(IoEngineTest, RegistrationsReachEveryRingFromAnyThread) {
+  for (bool defer : {true, false}) {
+    SCOPED_TRACE(defer ? "defer_taskrun" : "plain rings");
+    auto e = engine({.queue_depth = 4, .block_size = 64 << 10, .rings = 3, .defer_taskrun = defer});
+    if (!defer) {
+      EXPECT_EQ(e->stats().deferred_rings, 0u);
+    }
+    File f = open_file(defer ? "reg-d.bin" : "reg-p.bin", 4 << 20);
+    ASSERT_TRUE(e->register_file(f).is_ok());
+    AlignedBuffer out(3 << 20), in(3 << 20);
+    fill_random(out, 21);
+    auto so = e->register_buffer(out.data(), out.size());
+    auto si = e->register_buffer(in.data(), in.size());
+    ASSERT_TRUE(so.is_ok()) << so.status().to_string();
+    ASSERT_TRUE(si.is_ok()) << si.status().to_string();
+    // One request per 64 KiB so that the round robin gives every ring some.
+    for (IoOp op : {IoOp::kWrite, IoOp::kRead}) {
+      AlignedBuffer& b = op == IoOp::kWrite ? out : in;
+      for (uint64_t off = 0; off < b.size(); off += 64 << 10) {
+        ASSERT_TRUE(e->submit(IoRequest{.op = op,
+                                        .file = &f,
+                                        .offset = off,
+                                        .buffer = b.data() + off,
+                                        .length = 64 << 10},
+                              [](Status st) { EXPECT_TRUE(st.is_ok()) << st.to_string(); })
+                        .is_ok());
+      }
+      ASSERT_TRUE(e->drain().is_ok());
+    }
+    EXPECT_EQ(std::memcmp(out.data(), in.data(), out.size()), 0);
+    EXPECT_EQ(e->stats().fixed_buffer_chunks, 96u);  // 2 x 3 MiB in 64 KiB chunks
+    EXPECT_EQ(e->stats().requests_failed, 0u);
+    EXPECT_TRUE(e->unregister_buffer(*so).is_ok());
+    EXPECT_TRUE(e->unregister_buffer(*si).is_ok());
+    EXPECT_TRUE(e->unregister_file(f).is_ok());
+    // The slots are free again and reusable.
+    auto again = e->register_buffer(in.data(), in.size());
+    ASSERT_TRUE(again.is_ok()) << again.status().to_string();
+    ASSERT_TRUE(e->read(f, 0, in.data(), 64 << 10).is_ok());
+    EXPECT_EQ(e->stats().fixed_buffer_chunks, 97u);
+  }
+}
+
+// Registering must not wait for a ring's thread: callers (SwapSpace::allocate) register while
+// holding a lock that their completion callbacks take. Here a callback is held on a gate while
+// another thread registers and unregisters; those calls must return with the gate still shut,
+// and what they registered must be used once the ring runs again.
+TEST_F(IoEngineTest, RegistrationsNeverWaitForABusyRing) {
+  for (uint32_t rings : {1u, 2u}) {
+    SCOPED_TRACE(::testing::Message() << rings << " ring(s)");
+    auto e = engine({.queue_depth = 4, .rings = rings});
+    File f = open_file(fmt::format("gate-{}.bin", rings), 1 << 20);
+    File g = open_file(fmt::format("gate2-{}.bin", rings), 1 << 20);
+    AlignedBuffer a(4096 * rings), b(4096 * rings);
+    std::memset(a.data(), 0x3c, a.size());
+    auto old_slot = e->register_buffer(b.data(), b.size());
+    ASSERT_TRUE(old_slot.is_ok()) << old_slot.status().to_string();
+    std::promise<void> gate;
+    std::shared_future<void> open = gate.get_future().share();
+    std::atomic<int> held{0};
+    for (uint32_t r = 0; r < rings; ++r) {  // one blocked callback per ring (round robin)
+      ASSERT_TRUE(e->submit(IoRequest{.op = IoOp::kWrite,
+                                      .file = &f,
+                                      .offset = 4096ull * r,
+                                      .buffer = a.data() + 4096 * r,
+                                      .length = 4096},
+                            [&](Status st) {
+                              EXPECT_TRUE(st.is_ok());
+                              ++held;
+                              open.wait();
+                            })
+                      .is_ok());
+    }
+    while (held.load() < static_cast<int>(rings)) std::this_thread::yield();
+    auto registering = std::async(std::launch::async, [&] {
+      EXPECT_TRUE(e->register_file(g).is_ok());
+      EXPECT_TRUE(e->unregister_buffer(*old_slot).is_ok());
+      auto slot = e->register_buffer(a.data(), a.size());
+      EXPECT_TRUE(slot.is_ok()) << slot.status().to_string();
+    });
+    const bool returned =
+        registering.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
+    gate.set_value();
+    registering.wait();
+    EXPECT_TRUE(returned) << "registering waited for a ring whose thread was busy";
+    ASSERT_TRUE(e->drain().is_ok());
+    const uint64_t fixed = e->stats().fixed_buffer_chunks;
+    // The new registrations are in use on every ring; the dropped one is not.
+    for (uint32_t r = 0; r < rings; ++r) {
+      ASSERT_TRUE(e->write(g, 4096ull * r, a.data() + 4096 * r, 4096).is_ok());
+    }
+    EXPECT_EQ(e->stats().fixed_buffer_chunks, fixed + rings);
+    ASSERT_TRUE(e->read(f, 0, b.data(), b.size()).is_ok());
+    EXPECT_EQ(e->stats().fixed_buffer_chunks, fixed + rings);
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size()), 0);
+  }
+}
+
+// A completion callback may register too (its own ring applies it at once, the others before
+// their next request).
+TEST_F(IoEngineTest, CallbacksMayRegister) {
+  auto e = engine({.queue_depth = 4, .rings = 2});
+  File f = open_file("cb-reg.bin", 1 << 20);
+  AlignedBuffer a(4096), b(8192);
+  std::memset(a.data(), 0x5e, a.size());
+  std::promise<bool> registered;
+  ASSERT_TRUE(
+      e->submit(IoRequest{.op = IoOp::kWrite, .file = &f, .buffer = a.data(), .length = 4096},
+                [&](Status st) {
+                  EXPECT_TRUE(st.is_ok());
+                  registered.set_value(e->register_buffer(b.data(), b.size()).is_ok());
+                })
+          .is_ok());
+  auto fut = registered.get_future();
+  ASSERT_EQ(fut.wait_for(std::chrono::seconds(20)), std::future_status::ready);
+  ASSERT_TRUE(fut.get());
+  const uint64_t fixed = e->stats().fixed_buffer_chunks;
+  ASSERT_TRUE(e->read(f, 0, b.data(), 4096).is_ok());
+  ASSERT_TRUE(e->read(f, 0, b.data() + 4096, 4096).is_ok());
+  EXPECT_EQ(e->stats().fixed_buffer_chunks, fixed + 2);  // both rings
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), 4096), 0);
+  EXPECT_EQ(std::memcmp(a.data(), b.data() + 4096, 4096), 0);
 }
 
 TEST_F(IoEngineTest, ThousandsOfConcurrentRequestsCompleteExactlyOnce) {

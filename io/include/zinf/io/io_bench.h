@@ -33,6 +33,7 @@ struct IoBenchOptions {
   BenchPattern pattern = BenchPattern::kRead;
   uint64_t seed = 1;
   bool fixed_buffers = true;
+  bool defer_taskrun = true;    // IoEngineOptions::defer_taskrun
   bool time_read_back = false;  // write patterns: time the verifying read too
 };
 
@@ -41,7 +42,8 @@ struct IoBenchResult {
   double seconds = 0;
   double bytes_per_s = 0;
   double iops = 0;
-  bool direct = true;  // false when the file system refused O_DIRECT
+  bool direct = true;     // false when the file system refused O_DIRECT
+  bool deferred = false;  // the rings were created SINGLE_ISSUER | DEFER_TASKRUN
   uint64_t verified_sectors = 0;
   double read_back_bytes_per_s = 0;  // write patterns with time_read_back
   std::vector<std::string> files;    // the (now removed) benchmark files

@@ -16,7 +16,10 @@
 //    submit() (that is how pipelines refill without a context switch).
 //  - Buffers registered with register_buffer() are used as fixed buffers (READ_FIXED /
 //    WRITE_FIXED) when a request falls inside one; files registered with register_file() are
-//    used through the ring's fixed-file table. Both are optional accelerations.
+//    used through the ring's fixed-file table. Both are optional accelerations. The rings apply
+//    a registration before any request submitted after it; a registration the kernel refuses
+//    (RLIMIT_MEMLOCK, ...) is logged once and that ring moves the data unregistered. Neither
+//    call waits for a ring's thread, so they may be called with locks held that callbacks take.
 //  - io_uring_enter failing (other than EINTR) is retried, every millisecond, for at most
 //    `submit_retry_ms`; then the ring is broken: every request it holds that the kernel has not
 //    taken fails with an error naming the ring, the errno and the request (operation, file,
@@ -56,6 +59,10 @@ struct IoEngineOptions {
   // Submit each chunk with its own io_uring_enter instead of batching the chunks prepared
   // together (DeepSpeed's aio.single_submit; slower, kept for comparison).
   bool single_submit = false;
+  // Create the rings with IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN where the
+  // kernel has them (6.1+), as fio does: completions are posted when the ring's thread waits for
+  // them instead of interrupting it. Registrations are then run on the ring's thread.
+  bool defer_taskrun = true;
   // Bounded waits (see the contract above).
   uint32_t submit_retry_ms = 1000;    // a failing io_uring_enter, before the ring is broken
   uint32_t drain_timeout_ms = 60000;  // destruction waiting for outstanding requests
@@ -80,6 +87,7 @@ struct IoStats {
   uint64_t bytes_read = 0;
   uint64_t bytes_written = 0;
   uint64_t fixed_buffer_chunks = 0;  // chunks that used a registered buffer
+  uint32_t deferred_rings = 0;       // rings created SINGLE_ISSUER | DEFER_TASKRUN
 };
 
 class IoEngine {
@@ -104,8 +112,8 @@ class IoEngine {
   Status write(const File& file, uint64_t offset, const void* buffer, uint64_t length);
 
   // Registers [base, base+length) as a fixed buffer on every ring. Returns a slot to pass to
-  // unregister_buffer(). Fails (kUnavailable) when the table is full or the kernel refuses
-  // (e.g. RLIMIT_MEMLOCK); requests then simply use the buffer unregistered.
+  // unregister_buffer(). Fails (kUnavailable) when the table is full; requests then simply use
+  // the buffer unregistered, as they do on a ring whose kernel refused it (logged once).
   Result<int> register_buffer(void* base, uint64_t length);
   Status unregister_buffer(int slot);
   // Registers a file in the fixed-file table of every ring. The file must outlive its
