@@ -96,6 +96,10 @@ Result<PinnedBuffer> PinnedPool::allocate(uint64_t bytes, MemoryCategory categor
     return make_error(ErrorCode::kOutOfMemory, "the system refused {} of host memory",
                       format_bytes(static_cast<double>(padded)));
   }
+  // Huge pages where the system gives them: a direct read or write into 4 KiB pages needs a
+  // segment per page, and past the disk's segment limit (254 on a virtio disk) the block layer
+  // splits each 1 MiB request in two and cannot merge neighbours (docs/io.md).
+  if (padded >= (uint64_t{2} << 20)) (void)::madvise(data, padded, MADV_HUGEPAGE);
   Block b{data, padded, false, -1, false};
   if (options_.device != nullptr) {
     if (Status s = options_.device->register_host(data, padded); !s.is_ok()) {

@@ -2,6 +2,8 @@
 // staging). Pinned, registered buffers for the runtime come from memory/PinnedPool.
 #pragma once
 
+#include <sys/mman.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -13,13 +15,21 @@ namespace zinf::io {
 class AlignedBuffer {
  public:
   static constexpr size_t kDefaultAlignment = 4096;
+  static constexpr size_t kHugePage = size_t{2} << 20;
 
   AlignedBuffer() = default;
+  // With an alignment of kHugePage or more, the buffer asks for transparent huge pages
+  // (MADV_HUGEPAGE; the system may still give small ones): direct I/O into it then needs far
+  // fewer segments per request.
   explicit AlignedBuffer(size_t bytes, size_t alignment = kDefaultAlignment) : size_(bytes) {
     if (bytes == 0) return;
     size_t rounded = (bytes + alignment - 1) / alignment * alignment;
     data_ = static_cast<std::byte*>(std::aligned_alloc(alignment, rounded));
-    if (data_ == nullptr) size_ = 0;
+    if (data_ == nullptr) {
+      size_ = 0;
+      return;
+    }
+    if (alignment >= kHugePage) (void)::madvise(data_, rounded, MADV_HUGEPAGE);
   }
   AlignedBuffer(AlignedBuffer&& o) noexcept
       : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
