@@ -313,11 +313,16 @@ Result<IoBenchResult> run_io_bench(const IoBenchOptions& o, const IoBenchProgres
   std::memset(slab.data(), 0xa5, slab.size());
   std::vector<std::byte*> slots;
   std::vector<int> registered;
-  for (uint64_t i = 0; i < nslots; ++i) {
-    slots.push_back(slab.data() + i * o.block_size);
-    if (o.fixed_buffers) {
-      auto slot = engine->register_buffer(slots.back(), o.block_size);
-      if (slot.is_ok()) registered.push_back(*slot);
+  for (uint64_t i = 0; i < nslots; ++i) slots.push_back(slab.data() + i * o.block_size);
+  if (o.fixed_buffers) {  // the slab as one fixed buffer, or slot by slot past 1 GiB
+    auto whole = engine->register_buffer(slab.data(), slab.size());
+    if (whole.is_ok()) {
+      registered.push_back(*whole);
+    } else {
+      for (std::byte* slot_data : slots) {
+        auto slot = engine->register_buffer(slot_data, o.block_size);
+        if (slot.is_ok()) registered.push_back(*slot);
+      }
     }
   }
 

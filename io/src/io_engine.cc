@@ -51,6 +51,9 @@ struct IoEngine::Registry {
   std::vector<bool> file_slot_used;
   bool buffers_available = true;  // sparse buffer tables exist on every ring
   bool files_available = true;    // sparse file tables exist on every ring
+  // Bumped by every register and unregister of a slot. A ring that gets to a queued registration
+  // after a later change of its slot skips it: the fd or memory it names may be gone by then.
+  std::unique_ptr<std::atomic<uint64_t>[]> buffer_gen, file_gen;
 
   // Engine-wide completion accounting for drain().
   std::mutex drain_mu;
@@ -120,6 +123,10 @@ class IoEngine::Ring {
                                       IORING_REGISTER_ENABLE_RINGS, nullptr, 0) < 0) {
         rc = -errno;
       }
+      if (rc < 0) {
+        std::lock_guard lock(mu_);
+        exited_ = true;
+      }
       enabled_.set_value(rc);
       if (rc < 0) return;
       loop();
@@ -146,8 +153,9 @@ class IoEngine::Ring {
   // names a slot its ring has not seen. Nothing here waits for the ring thread: a caller may hold
   // a lock that a completion callback takes. If the kernel refuses an update (RLIMIT_MEMLOCK,
   // ...), the ring uses plain reads and writes for that slot and warns once.
-  void update_buffer(int slot, iovec iov) {
-    run_on_ring([this, slot, iov]() mutable {
+  void update_buffer(int slot, iovec iov, uint64_t gen) {
+    run_on_ring([this, slot, iov, gen]() mutable {
+      if (iov.iov_base != nullptr && engine_.registry_->buffer_gen[slot].load() != gen) return;
       __u64 tag = 0;
       int rc = io_uring_register_buffers_update_tag(&ring_, slot, &iov, &tag, 1);
       fixed_buffer_ok_[slot] = rc >= 0 && iov.iov_base != nullptr;
@@ -159,8 +167,9 @@ class IoEngine::Ring {
       }
     });
   }
-  void update_file(int slot, int fd) {
-    run_on_ring([this, slot, fd]() mutable {
+  void update_file(int slot, int fd, uint64_t gen) {
+    run_on_ring([this, slot, fd, gen]() mutable {
+      if (fd >= 0 && engine_.registry_->file_gen[slot].load() != gen) return;
       int rc = io_uring_register_files_update(&ring_, slot, &fd, 1);
       fixed_file_ok_[slot] = rc >= 0 && fd >= 0;
       if (rc < 0) {
@@ -218,6 +227,7 @@ class IoEngine::Ring {
     s.bytes_read += stats_.bytes_read.load();
     s.bytes_written += stats_.bytes_written.load();
     s.fixed_buffer_chunks += stats_.fixed_buffer_chunks.load();
+    s.fixed_file_chunks += stats_.fixed_file_chunks.load();
     s.deferred_rings += single_issuer_ ? 1 : 0;
   }
 
@@ -239,10 +249,10 @@ class IoEngine::Ring {
   };
 
   // Runs `fn` (an io_uring_register call and its bookkeeping) on the ring's thread: at once when
-  // called there or before the thread runs, else queued for it and the thread woken. Once the
-  // thread has exited (engine shutdown) it is dropped: the ring is closed right after.
+  // called there, else queued for it and the thread woken. Once the thread has exited (engine
+  // shutdown) it is dropped: the ring is closed right after.
   void run_on_ring(std::function<void()> fn) {
-    if (tls_ring_ == this || !thread_.joinable()) {
+    if (tls_ring_ == this) {
       fn();
       return;
     }
@@ -408,6 +418,7 @@ class IoEngine::Ring {
 
     io_uring_sqe* sqe = get_sqe(c);
     const bool fixed_file = op->p.file_slot >= 0 && fixed_file_ok_[op->p.file_slot];
+    if (fixed_file) ++stats_.fixed_file_chunks;
     int fd = fixed_file ? op->p.file_slot : r.file->fd();
     auto n = static_cast<unsigned>(len);
     if (op->p.buf_index >= 0 && fixed_buffer_ok_[op->p.buf_index]) {
@@ -556,7 +567,14 @@ class IoEngine::Ring {
       bool rearm = reap();
       if (rearm) arm_wakeup();
     }
-    take_incoming();  // table updates queued before exited_ was set (none can be after)
+    // Table updates queued before exited_ was set (none can be after); requests still queued
+    // are dropped with the ring, as before a shutdown deadline.
+    std::deque<std::function<void()>> controls;
+    {
+      std::lock_guard lock(mu_);
+      controls.swap(controls_);
+    }
+    for (auto& fn : controls) fn();
     tls_ring_ = nullptr;
   }
 
@@ -660,7 +678,8 @@ class IoEngine::Ring {
 
   struct AtomicStats {
     std::atomic<uint64_t> requests_completed{0}, requests_failed{0}, chunks_submitted{0},
-        short_continuations{0}, retries{0}, bytes_read{0}, bytes_written{0}, fixed_buffer_chunks{0};
+        short_continuations{0}, retries{0}, bytes_read{0}, bytes_written{0}, fixed_buffer_chunks{0},
+        fixed_file_chunks{0};
   } stats_;
 
   static thread_local Ring* tls_ring_;
@@ -715,6 +734,8 @@ Result<std::unique_ptr<IoEngine>> IoEngine::create(const IoEngineOptions& option
   reg.files_available = reg.files_available && options.fixed_files;
   reg.buffer_slot_used.assign(options.max_registered_buffers, false);
   reg.file_slot_used.assign(options.max_registered_files, false);
+  reg.buffer_gen = std::make_unique<std::atomic<uint64_t>[]>(options.max_registered_buffers);
+  reg.file_gen = std::make_unique<std::atomic<uint64_t>[]>(options.max_registered_files);
   if (options.fixed_buffers && !reg.buffers_available) {
     log::warn_once("io:fixedbuf", "io_uring registered buffers unavailable: using plain reads");
   }
@@ -844,7 +865,8 @@ Result<int> IoEngine::register_buffer(void* base, uint64_t length) {
   }
   int slot = static_cast<int>(free_slot - reg.buffer_slot_used.begin());
   iovec iov{base, length};
-  for (auto& ring : rings_) ring->update_buffer(slot, iov);
+  const uint64_t gen = ++reg.buffer_gen[slot];
+  for (auto& ring : rings_) ring->update_buffer(slot, iov, gen);
   reg.buffer_slot_used[slot] = true;
   auto addr = reinterpret_cast<uintptr_t>(base);
   auto pos = std::lower_bound(reg.buffers.begin(), reg.buffers.end(), addr,
@@ -860,7 +882,8 @@ Status IoEngine::unregister_buffer(int slot) {
       !reg.buffer_slot_used[slot]) {
     return make_error(ErrorCode::kInvalidArgument, "buffer slot {} is not registered", slot);
   }
-  for (auto& ring : rings_) ring->update_buffer(slot, iovec{nullptr, 0});
+  const uint64_t gen = ++reg.buffer_gen[slot];
+  for (auto& ring : rings_) ring->update_buffer(slot, iovec{nullptr, 0}, gen);
   reg.buffer_slot_used[slot] = false;
   std::erase_if(reg.buffers, [slot](const Registry::Buffer& b) { return b.slot == slot; });
   return Status::ok();
@@ -874,7 +897,8 @@ Status IoEngine::register_file(const File& file) {
   auto free_slot = std::find(reg.file_slot_used.begin(), reg.file_slot_used.end(), false);
   if (free_slot == reg.file_slot_used.end()) return Status::ok();  // table full: use the fd
   int slot = static_cast<int>(free_slot - reg.file_slot_used.begin());
-  for (auto& ring : rings_) ring->update_file(slot, file.fd());
+  const uint64_t gen = ++reg.file_gen[slot];
+  for (auto& ring : rings_) ring->update_file(slot, file.fd(), gen);
   reg.file_slot_used[slot] = true;
   reg.file_slot[file.fd()] = slot;
   return Status::ok();
@@ -885,7 +909,8 @@ Status IoEngine::unregister_file(const File& file) {
   std::unique_lock lock(reg.mu);
   auto it = reg.file_slot.find(file.fd());
   if (it == reg.file_slot.end()) return Status::ok();
-  for (auto& ring : rings_) ring->update_file(it->second, -1);
+  const uint64_t gen = ++reg.file_gen[it->second];
+  for (auto& ring : rings_) ring->update_file(it->second, -1, gen);
   reg.file_slot_used[it->second] = false;
   reg.file_slot.erase(it);
   return Status::ok();

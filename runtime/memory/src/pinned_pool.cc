@@ -91,15 +91,28 @@ Result<PinnedBuffer> PinnedPool::allocate(uint64_t bytes, MemoryCategory categor
   }
   // Mapped, not malloc'd: a freed buffer goes back to the system at once (glibc would keep
   // blocks below its sliding mmap threshold in its arenas, and the process's RSS with them).
-  void* data = ::mmap(nullptr, padded, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (data == MAP_FAILED) {
+  // Buffers of 2 MiB or more start on a 2 MiB boundary (mapped 2 MiB larger, the ends unmapped)
+  // and ask for transparent huge pages: a direct read or write into 4 KiB pages needs a segment
+  // per page, and past the disk's segment limit (254 on a virtio disk) the block layer splits
+  // each 1 MiB request in two and cannot merge neighbours (docs/io.md).
+  constexpr uint64_t kHuge = uint64_t{2} << 20;
+  const bool huge = padded >= kHuge;
+  const uint64_t mapped = huge ? padded + kHuge : padded;
+  void* raw = ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED) {
     return make_error(ErrorCode::kOutOfMemory, "the system refused {} of host memory",
                       format_bytes(static_cast<double>(padded)));
   }
-  // Huge pages where the system gives them: a direct read or write into 4 KiB pages needs a
-  // segment per page, and past the disk's segment limit (254 on a virtio disk) the block layer
-  // splits each 1 MiB request in two and cannot merge neighbours (docs/io.md).
-  if (padded >= (uint64_t{2} << 20)) (void)::madvise(data, padded, MADV_HUGEPAGE);
+  void* data = raw;
+  if (huge) {
+    auto* base = static_cast<std::byte*>(raw);
+    auto* start = reinterpret_cast<std::byte*>(align_up(reinterpret_cast<uintptr_t>(base), kHuge));
+    if (start > base) ::munmap(base, static_cast<size_t>(start - base));
+    std::byte* end = start + padded;
+    if (base + mapped > end) ::munmap(end, static_cast<size_t>(base + mapped - end));
+    data = start;
+    (void)::madvise(data, padded, MADV_HUGEPAGE);
+  }
   Block b{data, padded, false, -1, false};
   if (options_.device != nullptr) {
     if (Status s = options_.device->register_host(data, padded); !s.is_ok()) {

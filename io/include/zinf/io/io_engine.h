@@ -16,10 +16,12 @@
 //    submit() (that is how pipelines refill without a context switch).
 //  - Buffers registered with register_buffer() are used as fixed buffers (READ_FIXED /
 //    WRITE_FIXED) when a request falls inside one; files registered with register_file() are
-//    used through the ring's fixed-file table. Both are optional accelerations. The rings apply
-//    a registration before any request submitted after it; a registration the kernel refuses
-//    (RLIMIT_MEMLOCK, ...) is logged once and that ring moves the data unregistered. Neither
-//    call waits for a ring's thread, so they may be called with locks held that callbacks take.
+//    used through the ring's fixed-file table. Both are optional accelerations. The table
+//    updates are queued to each ring's thread (and run there at once when called on it), which
+//    applies them before any request submitted after them; a registration the kernel refuses
+//    (RLIMIT_MEMLOCK, ...) is logged (once per ring and kind) and that ring moves the data
+//    unregistered. Neither call waits for a ring's thread, so they may be called with locks held
+//    that callbacks take. A buffer or file must have no request in flight when unregistered.
 //  - io_uring_enter failing (other than EINTR) is retried, every millisecond, for at most
 //    `submit_retry_ms`; then the ring is broken: every request it holds that the kernel has not
 //    taken fails with an error naming the ring, the errno and the request (operation, file,
@@ -61,7 +63,7 @@ struct IoEngineOptions {
   bool single_submit = false;
   // Create the rings with IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN where the
   // kernel has them (6.1+), as fio does: completions are posted when the ring's thread waits for
-  // them instead of interrupting it. Registrations are then run on the ring's thread.
+  // them instead of interrupting it. (Registrations run on the ring's thread either way.)
   bool defer_taskrun = true;
   // Bounded waits (see the contract above).
   uint32_t submit_retry_ms = 1000;    // a failing io_uring_enter, before the ring is broken
@@ -87,6 +89,7 @@ struct IoStats {
   uint64_t bytes_read = 0;
   uint64_t bytes_written = 0;
   uint64_t fixed_buffer_chunks = 0;  // chunks that used a registered buffer
+  uint64_t fixed_file_chunks = 0;    // chunks that used a registered file
   uint32_t deferred_rings = 0;       // rings created SINGLE_ISSUER | DEFER_TASKRUN
 };
 
@@ -113,7 +116,8 @@ class IoEngine {
 
   // Registers [base, base+length) as a fixed buffer on every ring. Returns a slot to pass to
   // unregister_buffer(). Fails (kUnavailable) when the table is full; requests then simply use
-  // the buffer unregistered, as they do on a ring whose kernel refused it (logged once).
+  // the buffer unregistered, as they do on a ring whose kernel refused it (logged once per ring).
+  // The buffer must have no request in flight when unregistered.
   Result<int> register_buffer(void* base, uint64_t length);
   Status unregister_buffer(int slot);
   // Registers a file in the fixed-file table of every ring. The file must outlive its
