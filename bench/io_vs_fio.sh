@@ -3,7 +3,12 @@
 # size and queue depth, alternating the two several times because the disk is noisy, and prints
 # the medians and the median of the per-pair ratios zinf/fio for each case.
 #
-#   bench/io_vs_fio.sh DIR [RUNS]        (env: ZINF=path/to/zinf, SIZE=1G, CASES="1M:8 1M:32 128K:32")
+# zinf's buffers are on transparent huge pages (docs/io.md); fio's are malloc'd, in 4 KiB pages
+# unless THP is "always". With FIO_HUGE=1 (root) the script sets THP to "always" for its run
+# (restoring the mode on exit) and aligns fio's buffers to 2 MiB (--iomem_align), so that both
+# tools' buffers are on huge pages and the ratio compares the I/O engines alone.
+#
+#   bench/io_vs_fio.sh DIR [RUNS]   (env: ZINF=path/to/zinf, SIZE=1G, CASES="1M:8 1M:32 128K:32", FIO_HUGE=)
 set -euo pipefail
 DIR=${1:?usage: bench/io_vs_fio.sh DIR [RUNS]}
 RUNS=${2:-5}
@@ -14,7 +19,20 @@ command -v fio >/dev/null || { echo "fio is not installed (make deps installs it
 [ -x "$ZINF" ] || { echo "$ZINF not found: build first (make build)" >&2; exit 1; }
 mkdir -p "$DIR"
 FIOFILE="$DIR/fio-yardstick.dat"
-trap 'rm -f "$FIOFILE"' EXIT
+THP=/sys/kernel/mm/transparent_hugepage/enabled
+THP_WAS=$(sed -n 's/.*\[\(.*\)\].*/\1/p' "$THP" 2>/dev/null || true)
+trap 'rm -f "$FIOFILE"; if [ -n "${FIO_HUGE:-}" ] && [ -n "$THP_WAS" ]; then echo "$THP_WAS" > "$THP"; fi' EXIT
+FIO_MEM=()
+if [ -n "${FIO_HUGE:-}" ]; then
+  echo always 2>/dev/null > "$THP" || { echo "FIO_HUGE=1 needs to write $THP (root)" >&2; exit 1; }
+  FIO_MEM=(--iomem_align=2M)
+fi
+THP_NOW=$(sed -n 's/.*\[\(.*\)\].*/\1/p' "$THP" 2>/dev/null || echo unknown)
+if [ "$THP_NOW" = always ] && [ ${#FIO_MEM[@]} -gt 0 ]; then
+  echo "fio's buffers: 2 MiB-aligned, transparent huge pages (THP always)"
+else
+  echo "fio's buffers: malloc, 4 KiB pages unless by chance (THP $THP_NOW); FIO_HUGE=1 puts them on huge pages"
+fi
 
 # Both tools start from a fresh file each run (zinf creates and removes its own; fio's is
 # removed before each run), so neither is favoured by data the host still caches from earlier
@@ -30,7 +48,7 @@ fio_bw() {  # rw bs qd -> bytes/s
         --ioengine=io_uring --direct=1 --end_fsync=1 --numjobs=1 >/dev/null 2>&1
   fi
   fio --name=yardstick --filename="$FIOFILE" --size="$SIZE" --rw="$1" --bs="$2" --iodepth="$3" \
-      --ioengine=io_uring --direct=1 --numjobs=1 --output-format=json 2>/dev/null |
+      --ioengine=io_uring --direct=1 --numjobs=1 "${FIO_MEM[@]}" --output-format=json 2>/dev/null |
     python3 -c 'import json,sys; j=json.load(sys.stdin)["jobs"][0]; print(j["read"]["bw_bytes"]+j["write"]["bw_bytes"])'
 }
 zinf_bw() {

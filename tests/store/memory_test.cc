@@ -5,7 +5,10 @@
 #include <map>
 #include <thread>
 
+#include "../io/test_dir.h"
 #include "forwarding_device.h"
+#include "zinf/io/file.h"
+#include "zinf/io/io_engine.h"
 #include "zinf/memory/device.h"
 #include "zinf/memory/pinned_pool.h"
 
@@ -160,6 +163,50 @@ TEST(PinnedPool, RegistersEachBufferWithTheDeviceWhileItIsMapped) {
   }
   // The pool's destruction unregisters what it cached.
   EXPECT_TRUE(device.registered.empty());
+}
+
+// Buffers (staging, scratch) serve transfer after transfer and are registered with the I/O engine
+// for fixed-buffer I/O; a tensor's copy serves one or two, and registering it would pin every page
+// on the ring's thread, which meanwhile moves nothing: it is not registered.
+TEST(PinnedPool, RegistersOnlyBuffersWithTheIoEngine) {
+  auto engine = io::IoEngine::create({.queue_depth = 4, .block_size = 1 << 20});
+  ASSERT_TRUE(engine.is_ok()) << engine.status().to_string();
+  testing::TempDir dir;
+  ASSERT_FALSE(dir.path().empty());
+  auto file = io::File::open(dir.file("pool.bin"), {.create = true});
+  ASSERT_TRUE(file.is_ok()) << file.status().to_string();
+  ASSERT_TRUE(file->preallocate(0, 6 << 20).is_ok());
+  PinnedPool pool({.budget_bytes = 64 << 20, .pin = false, .engine = engine->get()});
+  {
+    auto staging = pool.allocate(2 << 20, MemoryCategory::kBuffers);
+    auto tensor = pool.allocate(4 << 20, MemoryCategory::kOptimizerStates);
+    ASSERT_TRUE(staging.is_ok());
+    ASSERT_TRUE(tensor.is_ok());
+    EXPECT_EQ(pool.stats().registered, 1u);
+    std::memset(staging->data(), 0x5a, 2 << 20);
+    std::memset(tensor->data(), 0xa5, 4 << 20);
+    io::IoEngine& e = **engine;
+    ASSERT_TRUE(e.write(*file, 0, staging->data(), 2 << 20).is_ok());
+    EXPECT_EQ(e.stats().fixed_buffer_chunks, 2u);  // 2 MiB in 1 MiB requests, fixed
+    ASSERT_TRUE(e.write(*file, 2 << 20, tensor->data(), 4 << 20).is_ok());
+    EXPECT_EQ(e.stats().fixed_buffer_chunks, 2u);  // the tensor's copy went unregistered
+    // Both reach the file whole, each way.
+    ASSERT_TRUE(e.read(*file, 2 << 20, staging->data(), 2 << 20).is_ok());
+    ASSERT_TRUE(e.read(*file, 0, tensor->data(), 2 << 20).is_ok());
+    EXPECT_EQ(e.stats().fixed_buffer_chunks, 4u);
+    for (uint64_t i = 0; i < (2u << 20); i += 4096) {
+      ASSERT_EQ(static_cast<unsigned char*>(staging->data())[i], 0xa5) << i;
+      ASSERT_EQ(static_cast<unsigned char*>(tensor->data())[i], 0x5a) << i;
+    }
+    // A cached buffer keeps its registration when reused, whatever it is reused for.
+    staging->reset();
+    auto reused = pool.allocate(2 << 20, MemoryCategory::kGradients);
+    ASSERT_TRUE(reused.is_ok());
+    EXPECT_EQ(pool.stats().reuses, 1u);
+    EXPECT_EQ(pool.stats().registered, 1u);
+  }
+  pool.trim();  // back to the system: unregistered first
+  EXPECT_EQ(pool.stats().registered, 0u);
 }
 
 }  // namespace

@@ -135,7 +135,12 @@ Result<PinnedBuffer> PinnedPool::allocate(uint64_t bytes, MemoryCategory categor
                                  std::strerror(err)));
     }
   }
-  if (options_.engine) {
+  // Only buffers (staging, scratch) are registered for fixed-buffer I/O: they serve transfer
+  // after transfer. A tensor's copy serves one or two per residency, and registering it would
+  // pin every page on the ring's thread, which meanwhile submits and reaps nothing (in the 2 B
+  // step of bench/beyond_ram.sh the rings' threads spent an eighth of the CPU time so and the
+  // step took 1.4x as long; docs/io.md). Unregistered, a direct request pins its own pages.
+  if (options_.engine && category == MemoryCategory::kBuffers) {
     auto slot = options_.engine->register_buffer(data, padded);
     if (slot.is_ok()) {
       b.io_slot = *slot;
