@@ -53,11 +53,11 @@ class PinnedBuffer {
 
 struct PinnedPoolOptions {
   uint64_t budget_bytes = 1ull << 30;
-  bool pin = true;                 // mlock (falls back to pageable memory when refused)
+  bool pin = true;  // mlock (falls back to pageable memory when refused)
   // Buffers of category kBuffers (staging, scratch) are registered with it for fixed-buffer
   // I/O; tensors' copies are not (pinned_pool.cc says why).
   io::IoEngine* engine = nullptr;
-  Ledger* ledger = nullptr;        // Tier::kHost accounting; may be null
+  Ledger* ledger = nullptr;  // Tier::kHost accounting; may be null
   // The device whose operations use these buffers: each is registered with it (CUDA: pinned and
   // mapped for its kernels) for as long as it is mapped; may be null.
   Device* device = nullptr;
