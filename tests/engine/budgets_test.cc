@@ -99,7 +99,9 @@ TEST(Budgets, HomedStateAlwaysFits) {
                      .device_home_bytes = 16 * GiB,
                      .host_home_bytes = 48 * GiB};
   const Budgets b = choose_budgets(s, z, kBox, 1);
-  EXPECT_EQ(b.device_bytes, 16 * GiB + 2 * 4 * 1'000'000 * 4);  // homed state and one unit
+  // Homed state and one unit's working set (one rank: no shard beside it, no reduction in
+  // flight).
+  EXPECT_EQ(b.device_bytes, 16 * GiB + 2 * 1'000'000 * 4);
   EXPECT_GE(b.host_bytes, 48 * GiB);
   EXPECT_NE(b.host_reason.find("more than the share"), std::string::npos) << b.host_reason;
   EXPECT_NE(b.device_reason.find("more than the share"), std::string::npos) << b.device_reason;
@@ -116,6 +118,12 @@ TEST(Budgets, TheLiveBoundIsWhatFitsBesideTheWorkingSet) {
   EXPECT_EQ(live_elements_that_fit(z, DType::kBF16, budget),
             (budget - 8 * MiB - 10'000'000) * 2 / 5);
   EXPECT_EQ(live_elements_that_fit(z, DType::kF32, 10 * MiB), 1'000'000u);  // one unit at least
+  // One rank gathers and reduces in place, with no reduction in flight: 2 units x 4 bytes, and 4
+  // bytes per live element.
+  StateSizes one = z;
+  one.world = 1;
+  EXPECT_EQ(device_working_bytes(one, DType::kF32), 8'000'000u);
+  EXPECT_EQ(live_elements_that_fit(one, DType::kF32, budget), (budget - 8 * MiB - 8'000'000) / 4);
 }
 
 // Small budgets keep fewer reductions in flight instead of failing mid-step: each gradient buffer
@@ -125,10 +133,11 @@ TEST(Budgets, ReductionsInFlightShrinkWithTheBudget) {
                      .persistent_elements = 200'000,
                      .device_home_bytes = 8 * MiB,
                      .world = 4};
-  // 1.25 x 4 bytes per element: persistent 1 MB, one unit 5 MB; the floor (no reduction in
-  // flight) is the homed state, the persistent units, the unit gathered and its gradient.
-  EXPECT_EQ(device_minimum_bytes(z, DType::kF32, 0), 8 * MiB + 1'000'000 + 10'000'000);
-  EXPECT_EQ(device_minimum_bytes(z, DType::kF32, 2), 8 * MiB + 1'000'000 + 20'000'000);
+  // 1.25 x 4 bytes per element: persistent 1 MB and 0.8 MB for their gradients, one unit 5 MB;
+  // the floor (no reduction in flight) is the homed state, the persistent units and their
+  // gradients, the unit gathered and its gradient.
+  EXPECT_EQ(device_minimum_bytes(z, DType::kF32, 0), 8 * MiB + 1'800'000 + 10'000'000);
+  EXPECT_EQ(device_minimum_bytes(z, DType::kF32, 2), 8 * MiB + 1'800'000 + 20'000'000);
   const uint64_t floor = device_minimum_bytes(z, DType::kF32, 0);
   EXPECT_EQ(reductions_that_fit(z, DType::kF32, floor - 1, true), -1);
   EXPECT_EQ(reductions_that_fit(z, DType::kF32, floor, true), 0);
@@ -139,6 +148,12 @@ TEST(Budgets, ReductionsInFlightShrinkWithTheBudget) {
   // The live bound grows by what fewer reductions leave free.
   EXPECT_EQ(live_elements_that_fit(z, DType::kF32, 100'000'000, 0),
             (100'000'000 - 8 * MiB - 10'000'000) / 5);
+  // One rank: the same floor without the shards beside the units, and nothing in flight.
+  StateSizes one = z;
+  one.world = 1;
+  EXPECT_EQ(device_minimum_bytes(one, DType::kF32, 0), 8 * MiB + 1'600'000 + 8'000'000);
+  EXPECT_EQ(device_minimum_bytes(one, DType::kF32, 2), 8 * MiB + 1'600'000 + 8'000'000);
+  EXPECT_EQ(reductions_that_fit(one, DType::kF32, 1 * GiB, true), 0);
 }
 
 TEST(Budgets, ExplicitBudgetsAreKept) {

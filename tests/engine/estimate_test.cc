@@ -70,6 +70,14 @@ TEST(NvmeTrafficMinimum, HandCountedCases) {
   EXPECT_EQ(min({.param_elements = 1000}), (P{12000, 4000}));
   EXPECT_EQ(min({.param_elements = 1000, .clipping = false}), (P{8000, 4000}));
   EXPECT_EQ(min({}), (P{0, 0}));
+  // Persistent units are gathered once per step and kept: their parameters are read once, also
+  // over several micro-steps.
+  in = both;
+  in.clipping = false;
+  in.persistent_param_elements = 100;
+  EXPECT_EQ(min(in), (P{16000 - 400, 12000}));
+  in.gradient_accumulation_steps = 2;
+  EXPECT_EQ(min(in), (P{4 * 4 * 900 + 4 * 100 + 8000, 12000}));
 
   // The host budget: 4000 bytes of accumulators and room for 1500. With clipping every gradient
   // waits for the norm, so 2500 bytes of them wait on NVMe (a write and a read, reported apart

@@ -61,6 +61,30 @@ TEST(Scheduler, GathersAheadWithinTheBucketAndTheLiveBound) {
   EXPECT_THAT(off.reads_ahead(), IsEmpty());
 }
 
+// One rank: a shard read to the device is the unit's gathered parameters to be, so reads ahead
+// take live room too and stop, in order, where the live bound does.
+TEST(Scheduler, ReadsAheadInTheLiveRoomStopAtTheLiveBound) {
+  Scheduler s({.prefetch_elements = 250, .max_live_elements = 250, .reads_in_live_room = true},
+              {100, 100, 100, 100});
+  run_step(s, kStep);
+  s.on_step_end();
+  s.on_use(0);
+  s.set_live(0, true);
+  EXPECT_THAT(s.reads_ahead(), ElementsAre(1)) << "100 live + 100 fits 250, +100 does not";
+  s.set_live(1, true);
+  EXPECT_THAT(s.reads_ahead(), IsEmpty()) << "200 live: no room for another unit";
+  s.set_live(0, false);
+  EXPECT_THAT(s.reads_ahead(), ElementsAre(2));
+  // Without the option the reads look twice the bucket ahead whatever is live.
+  Scheduler apart({.prefetch_elements = 250, .max_live_elements = 250}, {100, 100, 100, 100});
+  run_step(apart, kStep);
+  apart.on_step_end();
+  apart.on_use(0);
+  apart.set_live(0, true);
+  apart.set_live(1, true);
+  EXPECT_THAT(apart.reads_ahead(), ElementsAre(2, 3));
+}
+
 TEST(Scheduler, TheBucketCountsEachUnitOnceAndStopsAtTheStepEnd) {
   Scheduler s({.prefetch_elements = 1000}, {100, 300, 50});
   run_step(s, {0, 1, 2, 2, 1, 0});

@@ -71,26 +71,30 @@ namespace {
 
 std::string mib(uint64_t bytes) { return format_bytes(static_cast<double>(bytes)); }
 
-// A gathered element with its share of the shard in flight.
-double with_shard(const StateSizes& z) { return 1.0 + 1.0 / std::max(z.world, 1); }
+// A gathered element with its share of the shard in flight (with one rank the shard is the
+// unit, gathered and reduced in place: nothing beside it).
+double with_shard(const StateSizes& z) { return z.world > 1 ? 1.0 + 1.0 / z.world : 1.0; }
 
 }  // namespace
 
 uint64_t device_working_bytes(const StateSizes& z, DType dtype, int reductions) {
-  const auto units = static_cast<uint64_t>(2 + std::clamp(reductions, 0, 2));
+  // (With one rank a reduction completes at the scope's end: none is in flight.)
+  const auto units = static_cast<uint64_t>(2 + (z.world > 1 ? std::clamp(reductions, 0, 2) : 0));
   return static_cast<uint64_t>(
       with_shard(z) * static_cast<double>(units * z.largest_unit_elements * dtype_size(dtype)));
 }
 
 uint64_t device_minimum_bytes(const StateSizes& z, DType dtype, int reductions) {
+  // The persistent units gathered, and their gradient buffers: a model may hold such a unit's
+  // scope open across the others' (a tied embedding, used first and last).
   const auto persistent = static_cast<uint64_t>(
-      with_shard(z) * static_cast<double>(z.persistent_elements * dtype_size(dtype)));
+      (with_shard(z) + 1.0) * static_cast<double>(z.persistent_elements * dtype_size(dtype)));
   return z.device_home_bytes + persistent + device_working_bytes(z, dtype, reductions);
 }
 
 int reductions_that_fit(const StateSizes& z, DType dtype, uint64_t device_bytes,
                         bool overlap_comm) {
-  for (int r = overlap_comm ? 2 : 0; r >= 0; --r) {
+  for (int r = overlap_comm && z.world > 1 ? 2 : 0; r >= 0; --r) {
     if (device_minimum_bytes(z, dtype, r) <= device_bytes) return r;
   }
   return -1;
@@ -122,10 +126,11 @@ Budgets choose_budgets(const EngineSettings& s, const StateSizes& z, const Machi
     const uint64_t share = gpu ? machine.device_free_bytes / 4 * 3 /
                                      static_cast<uint64_t>(std::max(machine.ranks_per_device, 1))
                                : machine.available_bytes / (z.nvme ? 8 : 2) / ranks;
-    // A step's working set beyond the homed state: at least the unit being worked on; at most,
-    // on top, the gathered units within the live bound and their shards in flight (the
-    // scheduler's live bound is then what fits beside the rest: live_elements_that_fit).
-    const uint64_t least = z.device_home_bytes + device_working_bytes(z, s.dtype);
+    // A step's working set beyond the homed state: at least the floor (the persistent units and
+    // the unit being worked on, with reductions in flight); at most, on top, the gathered units
+    // within the live bound and their shards in flight (the scheduler's live bound is then what
+    // fits beside the rest: live_elements_that_fit).
+    const uint64_t least = device_minimum_bytes(z, s.dtype, 2);
     const uint64_t most =
         least +
         static_cast<uint64_t>(
@@ -134,8 +139,8 @@ Budgets choose_budgets(const EngineSettings& s, const StateSizes& z, const Machi
     if (least > share) {
       b.device_bytes = least;
       b.device_reason = fmt::format(
-          "the state homed on the device ({}) and one unit's working set; more than the share "
-          "of {} ({}): offload parameters or optimizer state to use less",
+          "the state homed on the device ({}), the persistent units and one unit's working set; "
+          "more than the share of {} ({}): offload parameters or optimizer state to use less",
           mib(z.device_home_bytes), gpu ? "the GPU's free memory" : "MemAvailable", mib(share));
     } else if (z.params_offloaded && most <= share) {
       b.device_bytes = most;

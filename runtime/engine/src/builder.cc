@@ -79,8 +79,8 @@ class Builder {
       return make_error(
           ErrorCode::kInvalidArgument,
           "device budget {} is too small: this model and placement need at least {} per rank on "
-          "the device ({} of state homed there, {} persistent parameters, and the largest unit "
-          "of {} parameters gathered with its gradient)",
+          "the device ({} of state homed there, {} of persistent parameters and as much for "
+          "their gradients, and the largest unit of {} parameters gathered with its gradient)",
           format_bytes(static_cast<double>(e.s.device_mem)),
           format_bytes(static_cast<double>(need)),
           format_bytes(static_cast<double>(z.device_home_bytes)),
@@ -178,7 +178,8 @@ class Builder {
             .max_live_elements = std::min(
                 s.max_live_elements,
                 live_elements_that_fit(e.sizes, s.dtype, s.device_mem, e.max_reductions_in_flight)),
-            .max_reuse_distance = s.max_reuse_distance},
+            .max_reuse_distance = s.max_reuse_distance,
+            .reads_in_live_room = e.world == 1},
         unit_elements);
 
     // Optimizer sub-groups over the ranges this rank owns.

@@ -575,8 +575,10 @@ NvmeTraffic nvme_traffic_minimum(const NvmeTrafficInputs& in) {
   const bool fused = !in.clipping && in.dtype != DType::kF16;
   const uint64_t optimizer_state = 8 + (mixed ? 4 : 0);  // m, v (and the fp32 master)
   NvmeTraffic t;
-  // Every micro-step's forward and backward pass gathers each unit: its shard is read twice.
-  t.read_bytes += 2 * gas * in.param_elements * w;
+  // Every micro-step's forward and backward pass gathers each unit: its shard is read twice. A
+  // persistent unit is gathered once per step and kept: read once.
+  const uint64_t persistent = std::min(in.persistent_param_elements, in.param_elements);
+  t.read_bytes += (2 * gas * (in.param_elements - persistent) + persistent) * w;
   t.read_bytes += in.optimizer_elements * optimizer_state;
   // In fp32 the parameter is the master: an update after the backward pass reads it once more,
   // unless the next forward pass takes the parameters it updated from memory (update_behind).
@@ -599,7 +601,10 @@ NvmeTraffic Engine::nvme_traffic_minimum() const {
                        .clipping = e.s.gradient_clipping > 0,
                        .update_behind = impl_->optimizer.updates_behind()};
   for (const engine_detail::UnitState& st : e.unit_states) {
-    if (e.s.param_home == Tier::kNvme) in.param_elements += e.policy.param_elements(st.layout);
+    if (e.s.param_home == Tier::kNvme) {
+      in.param_elements += e.policy.param_elements(st.layout);
+      if (st.persistent) in.persistent_param_elements += e.policy.param_elements(st.layout);
+    }
     if (st.opt_home == Tier::kNvme) {
       in.optimizer_elements += e.policy.owned_elements(st.layout);
       in.accumulator_bytes += e.policy.accumulator_elements(st.layout) * 4;

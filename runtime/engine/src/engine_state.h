@@ -47,9 +47,13 @@ struct UnitState {
   int scopes = 0;  // open scopes on the unit
   // Gatherer (sharded parameters): the gathered full parameters while the unit is live (in use,
   // fetched ahead or kept); the all-gather filling them may still be in flight, its shard pinned
-  // until done.
+  // until done. With one rank the shard is the whole unit: `shard_view` holds its device copy
+  // instead, with nothing copied and nothing in flight.
   DeviceBuffer gathered;
   TensorHandle gathering_shard;
+  TensorHandle shard_view;
+  bool live() const { return gathered || shard_view; }
+  void* gathered_data() const { return gathered ? gathered.data() : shard_view.data(); }
   std::vector<Device::CommWindow> gather_windows;  // the all-gather's reach into the device
   comm::Work gather_work;
   bool gather_in_flight = false;

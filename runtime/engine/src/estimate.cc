@@ -91,8 +91,10 @@ Result<EstimateRow> estimate_row(const Placement& p, const std::vector<uint64_t>
   EstimateRow row{.placement = p};
   // Device: the unit being worked on (its gradient buffer; the reduced shard in flight; at
   // stage 3 with offloaded parameters, the shard being gathered) and, at stage 3, the live window.
-  uint64_t working = L * w + (p.stage > 0 ? L_shard * w : 0);
-  if (p.stage == 3 && p.param_home != Tier::kDevice) working += L_shard * w;
+  // With one rank the shard is the unit, gathered and reduced in place: no shard beside it.
+  const uint64_t shard_beside = world > 1 ? L_shard * w : 0;
+  uint64_t working = L * w + (p.stage > 0 ? shard_beside : 0);
+  if (p.stage == 3 && p.param_home != Tier::kDevice) working += shard_beside;
   if (policy.sharded_params) {
     const uint64_t fit = live_elements_that_fit(z, s.dtype, budgets.device_bytes);
     const uint64_t wanted =

@@ -39,7 +39,7 @@ Result<void*> Gatherer::begin_use(size_t u, TensorHandle& resident) {
     ++st.scopes;
     return resident.data();
   }
-  if (st.gathered) {
+  if (st.live()) {
     ++(st.used_since_gather ? e_.schedule_now.uses_served_kept : e_.schedule_now.uses_served_ahead);
   } else {
     if (Status updated = optimizer_.wait_unit(u); !updated.is_ok()) {
@@ -67,7 +67,7 @@ Result<void*> Gatherer::begin_use(size_t u, TensorHandle& resident) {
     end_use(u);
     return ahead.is_ok() ? mine : ahead;
   }
-  return st.gathered.data();
+  return st.gathered_data();
 }
 
 void Gatherer::end_use(size_t u) {
@@ -82,23 +82,27 @@ Status Gatherer::start(size_t u) {
   UnitState& st = e_.unit_states[u];
   const uint64_t wsize = dtype_size(e_.s.dtype);
   ZINF_ASSIGN_OR_RETURN(TensorHandle shard, e_.store->acquire(st.params, Tier::kDevice));
-  ZINF_ASSIGN_OR_RETURN(
-      DeviceBuffer full,
-      e_.store->allocate_device(st.layout.numel_padded * wsize, MemoryCategory::kParameters,
-                                "gathered parameters of " + e_.units[u].name));
-  st.gather_issued = trace::Clock::now();
-  Device::CommWindow in =
-      e_.comm_window(shard.data(), st.layout.shard_numel * wsize, Device::WindowAccess::kRead);
-  Device::CommWindow out =
-      e_.comm_window(full.data(), st.layout.numel_padded * wsize, Device::WindowAccess::kWrite);
-  st.gather_work = e_.comm.all_gather(in.data(), out.data(), st.layout.shard_numel, e_.s.dtype);
-  st.gather_windows.push_back(std::move(in));
-  st.gather_windows.push_back(std::move(out));
-  st.gather_in_flight = true;
+  if (e_.world == 1) {  // the shard is the unit: its device copy serves the uses as it is
+    st.shard_view = std::move(shard);
+  } else {
+    ZINF_ASSIGN_OR_RETURN(
+        DeviceBuffer full,
+        e_.store->allocate_device(st.layout.numel_padded * wsize, MemoryCategory::kParameters,
+                                  "gathered parameters of " + e_.units[u].name));
+    st.gather_issued = trace::Clock::now();
+    Device::CommWindow in =
+        e_.comm_window(shard.data(), st.layout.shard_numel * wsize, Device::WindowAccess::kRead);
+    Device::CommWindow out =
+        e_.comm_window(full.data(), st.layout.numel_padded * wsize, Device::WindowAccess::kWrite);
+    st.gather_work = e_.comm.all_gather(in.data(), out.data(), st.layout.shard_numel, e_.s.dtype);
+    st.gather_windows.push_back(std::move(in));
+    st.gather_windows.push_back(std::move(out));
+    st.gather_in_flight = true;
+    st.gathering_shard = std::move(shard);
+    st.gathered = std::move(full);
+    e_.comm_now.param_gather_elements += st.layout.numel_padded;
+  }
   st.used_since_gather = false;
-  st.gathering_shard = std::move(shard);
-  st.gathered = std::move(full);
-  e_.comm_now.param_gather_elements += st.layout.numel_padded;
   e_.sched->set_live(u, true);
   e_.schedule_now.peak_live_elements =
       std::max(e_.schedule_now.peak_live_elements, e_.sched->live_elements());
@@ -107,6 +111,10 @@ Status Gatherer::start(size_t u) {
 
 Status Gatherer::finish(size_t u, bool for_update) {
   UnitState& st = e_.unit_states[u];
+  if (st.shard_view) {  // (one rank) nothing in flight; the copy stays until drop()
+    if (for_update) keep_for_update(u);
+    return Status::ok();
+  }
   if (!st.gather_in_flight) return Status::ok();
   Status ws = st.gather_work.wait();
   if (trace::enabled()) {
@@ -117,19 +125,21 @@ Status Gatherer::finish(size_t u, bool for_update) {
   // The gathered parameters reach the device as the windows close.
   if (Status closed = close_windows(st.gather_windows); ws.is_ok()) ws = std::move(closed);
   st.gathering_shard.release();
-  if (for_update && ws.is_ok()) {
-    // An optimisation only: when the host has no room, the update reads the shard as before.
-    auto host = e_.store->acquire(st.params, Tier::kHost);
-    if (!host.is_ok())
-      log::debug("engine: {} not kept on the host for its update: {}", e_.units[u].name,
-                 host.status().to_string());
-  }
+  if (for_update && ws.is_ok()) keep_for_update(u);
   e_.release_offloaded(st.params, e_.s.param_home, Tier::kDevice);
   if (!ws.is_ok()) {
     drop(u);
     return std::move(ws).with_context("gathering unit " + e_.units[u].name);
   }
   return Status::ok();
+}
+
+void Gatherer::keep_for_update(size_t u) {
+  // An optimisation only: when the host has no room, the update reads the shard as before.
+  auto host = e_.store->acquire(e_.unit_states[u].params, Tier::kHost);
+  if (!host.is_ok())
+    log::debug("engine: {} not kept on the host for its update: {}", e_.units[u].name,
+               host.status().to_string());
 }
 
 void Gatherer::drop(size_t u) {
@@ -139,6 +149,10 @@ void Gatherer::drop(size_t u) {
     if (!ws.is_ok() && e_.sticky.is_ok()) e_.sticky = std::move(ws);
   }
   st.gathered.reset();
+  if (st.shard_view) {
+    st.shard_view.release();
+    e_.release_offloaded(st.params, e_.s.param_home, Tier::kDevice);
+  }
   e_.sched->set_live(u, false);
 }
 
@@ -154,7 +168,7 @@ Status Gatherer::plan_ahead() {
     }
   }
   // start() waits for the unit's shard to be in memory, holding up the use that called this. With
-  // one rank an all-gather is a local copy, with no order of collectives to keep across ranks, so
+  // one rank a gather is the shard itself, with no order of collectives to keep across ranks, so
   // one call waits for at most one shard still being read (the first, needed soonest): the units
   // after it are left to the next use's call (or their own use), once their reads (asked for
   // above) have landed. With several ranks every rank must issue the collectives in the same
@@ -176,7 +190,7 @@ Status Gatherer::plan_ahead() {
 
 void Gatherer::drop_all() {
   for (size_t u = 0; u < e_.unit_states.size(); ++u) {
-    if (e_.unit_states[u].gathered || e_.unit_states[u].gather_in_flight) drop(u);
+    if (e_.unit_states[u].live() || e_.unit_states[u].gather_in_flight) drop(u);
   }
 }
 

@@ -5,7 +5,9 @@
 //    or ahead of the use along the recorded trace (sched::Scheduler), and the unit is kept gathered
 //    while the trace says it is used again soon (or is persistent). Every decision depends on the
 //    trace, the sizes and the device budget only (the ranks agree on the budget when it is built),
-//    so every rank issues the same all-gathers in the same order.
+//    so every rank issues the same all-gathers in the same order. With one rank the shard is the
+//    whole unit: a gather holds the shard's device copy (fetched through the tiers as before) and
+//    copies nothing.
 //  - After a committed step, with StagePolicy::share_updated_params (stages 1-2), every rank's
 //    updated shard is all-gathered into every rank's full parameters.
 // A unit whose all-gather is in flight owns its buffers until the gather completes: drop() and
@@ -40,13 +42,17 @@ class Gatherer {
   Status share_updated_parameters();
 
  private:
-  Status start(size_t u);  // issues u's all-gather into a new buffer: u becomes live
+  // Issues u's all-gather into a new buffer (with one rank: holds the shard's device copy): u
+  // becomes live.
+  Status start(size_t u);
   // Waits for u's all-gather (if in flight) and lets its shard go. `for_update`: u's update
   // follows soon on the host (its last use of the step, updates fused into backward): the shard
   // is first copied to the host from the device copy the gather used, so that the update does not
   // read it from NVMe again.
   Status finish(size_t u, bool for_update = false);
-  void drop(size_t u);  // u is no longer live
+  void keep_for_update(size_t u);  // that copy to the host (best effort)
+  // u is no longer live (with one rank, the shard's device copy goes as finish() lets it go).
+  void drop(size_t u);
   Status plan_ahead();  // the reads and all-gathers the trace says come next
 
   EngineState& e_;

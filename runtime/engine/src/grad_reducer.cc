@@ -28,6 +28,13 @@ Status GradReducer::issue(size_t u, DeviceBuffer grads) {
   // The unit is not used again in this step, so this reduction completes its gradients.
   p.final = e_.sched->following() && !e_.sched->next_use(u) && st.scopes == 0;
   if (p.final && optimizer_.updates_early()) st.final_issued = true;
+  if (world == 1) {
+    // The average over one rank is the gradients as they are: accumulated from the buffer itself,
+    // with no collective, no shard and nothing in flight.
+    p.received = true;
+    pending_.push_back(std::move(p));
+    return in_flight_bound();
+  }
   if (!e_.policy.owns_every_shard) {
     p.direct = direct_accumulator(u);
     if (!p.direct) {
@@ -70,6 +77,10 @@ Status GradReducer::issue(size_t u, DeviceBuffer grads) {
     }
   }
   pending_.push_back(std::move(p));
+  return in_flight_bound();
+}
+
+Status GradReducer::in_flight_bound() {
   const auto in_flight = static_cast<size_t>(std::max(e_.max_reductions_in_flight, 0));
   if (in_flight == 0) return drain();
   while (pending_.size() > in_flight) ZINF_RETURN_IF_ERROR(finish_front().status());
@@ -147,10 +158,10 @@ Result<bool> GradReducer::finish_front(bool may_defer) {
       acc = std::move(*got);
       acc.mark_dirty();
     }
-    const char* reduced = e_.policy.owns_every_shard
-                              ? static_cast<const char*>(p.grads.data()) + piece.begin * wsize
-                              : static_cast<const char*>(p.shard.data()) +
-                                    (piece.begin - st.layout.shard_begin(e_.rank)) * wsize;
+    // The reduced gradients: the whole buffer (all-reduced, or one rank's), or this rank's shard.
+    const char* reduced = p.shard ? static_cast<const char*>(p.shard.data()) +
+                                        (piece.begin - st.layout.shard_begin(e_.rank)) * wsize
+                                  : static_cast<const char*>(p.grads.data()) + piece.begin * wsize;
     optimizer_.forget_sums(st.pieces[p.pieces_added]);
     Status added = accumulate_into(acc, piece.begin - piece.acc_base, reduced,
                                    piece.end - piece.begin, /*overwrite=*/st.acc_zero);

@@ -1,6 +1,7 @@
 // Gradient reduction: when a scope with gradients ends, the unit's gradient buffer is averaged
 // over ranks — all-reduced when every rank owns every shard, reduce-scattered into this rank's
-// shard otherwise — in buckets of reduce_bucket_size elements, asynchronously. When a reduction
+// shard otherwise — in buckets of reduce_bucket_size elements, asynchronously. With one rank the
+// average is the buffer itself: nothing is issued or copied. When a reduction
 // completes, its result is added in fp32 into the accumulators of this rank's pieces, in issue
 // order (micro-steps add in order, so the bits never depend on timing): a device operation for
 // accumulators on the device, the CPU kernel after a copy down for offloaded ones. With
@@ -39,7 +40,7 @@ class GradReducer {
   struct Pending {
     size_t unit;
     DeviceBuffer grads;  // the full gradient buffer (reduced in place by an all-reduce)
-    DeviceBuffer shard;  // reduce-scatter: this rank's reduced part
+    DeviceBuffer shard;  // reduce-scatter (several ranks): this rank's reduced part
     // Or, reduced straight into the accumulator (direct_accumulator), held for the reduction.
     TensorHandle direct;
     std::vector<comm::Work> works;
@@ -51,6 +52,8 @@ class GradReducer {
   // Completes the front reduction and takes it off the queue. With `may_defer`, an accumulator
   // refused for lack of memory leaves it at the front (returns false) instead of failing.
   Result<bool> finish_front(bool may_defer = false);
+  // Completes reductions at the front until at most max_reductions_in_flight remain.
+  Status in_flight_bound();
   // The unit's accumulator, acquired to be overwritten by the reduce-scatter itself, when that
   // gives what the accumulation would: the first micro-step (the accumulator is lazily zero,
   // and no earlier reduction of the unit is queued), fp32 gradients, and one piece with this

@@ -87,8 +87,14 @@ std::vector<size_t> Scheduler::gathers_ahead() const {
 std::vector<size_t> Scheduler::reads_ahead() const {
   std::vector<size_t> out;
   const uint64_t budget = options_.prefetch_elements * options_.read_ahead_factor;
+  uint64_t live = live_elements_;
   for (size_t u : window(budget)) {
-    if (!live_[u]) out.push_back(u);
+    if (live_[u]) continue;
+    if (options_.reads_in_live_room) {
+      if (live + elements_[u] > options_.max_live_elements) break;  // in order, as the gathers
+      live += elements_[u];
+    }
+    out.push_back(u);
   }
   return out;
 }

@@ -11,10 +11,12 @@
 //  - with state homed on NVMe the point is to keep RAM small, so device and host together take
 //    at most a quarter of MemAvailable per machine (an eighth each) and never more than the
 //    configuration asks for:
-//      device: at least the state homed there and the unit being worked on (its gathered
-//              parameters, gradient buffer and two reductions in flight, each with a shard-sized
-//              companion); when parameters are offloaded (stage 3) and it fits the share, the
-//              live window on top: max_live_elements of gathered units and their shards;
+//      device: at least the state homed there, the persistent units with their gradients and
+//              the unit being worked on (its gathered parameters, gradient buffer and two
+//              reductions in flight, each with a shard-sized companion; with one rank no
+//              companion and no reduction in flight); when parameters are offloaded (stage 3) and
+//              it fits the share, the live window on top: max_live_elements of gathered units and
+//              their shards;
 //      host:   the staging buffers, plus max_in_cpu parameter elements (offload_param.max_in_cpu)
 //              of cache, at least kHostWorkingFloor, plus whatever state is homed on the host;
 //  - with the optimizer offloaded, the host budget always holds its working set: the staging
@@ -84,14 +86,16 @@ inline constexpr uint64_t kHostWorkingFloor = 32ull << 20;
 // Device bytes of the unit being worked on beyond the homed state: its gathered parameters, its
 // gradient buffer and `reductions` earlier gradient buffers still being reduced (overlap_comm
 // keeps up to two in flight), each with a shard-sized companion (the shard being gathered, the
-// reduced shard).
+// reduced shard) when there are several ranks. One rank gathers and reduces in place, and its
+// reductions complete at the scope's end (none in flight).
 uint64_t device_working_bytes(const StateSizes& sizes, DType dtype, int reductions = 2);
 // The least device budget a step runs in with `reductions` in flight: the homed state, the
-// persistent units (gathered all run) and the working set.
+// persistent units (gathered all run) with their gradient buffers (a model may keep a persistent
+// unit's scope open across the others, as a tied embedding does) and the working set.
 uint64_t device_minimum_bytes(const StateSizes& sizes, DType dtype, int reductions);
 // The most reductions (2, 1 or 0) a step may keep in flight in `device_bytes` (0 without
-// overlap_comm); -1 when even one unit's working set does not fit. The same on every rank (it
-// depends on the agreed budget and the sizes), so the ranks reduce in step.
+// overlap_comm or with one rank); -1 when even one unit's working set does not fit. The same on
+// every rank (it depends on the agreed budget and the sizes), so the ranks reduce in step.
 int reductions_that_fit(const StateSizes& sizes, DType dtype, uint64_t device_bytes,
                         bool overlap_comm);
 // The most parameter elements the scheduler may keep gathered (in use, fetched ahead, kept) in a

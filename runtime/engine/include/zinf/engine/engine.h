@@ -289,7 +289,9 @@ struct MemoryReport {
 
 // The least NVMe traffic one optimizer step of one rank must move with a placement (bytes read
 // and written; docs/offload.md, "The traffic minimum"). `param_elements`: the rank's parameter
-// elements homed on NVMe (its stage-3 shards; 0 when the parameters are not there);
+// elements homed on NVMe (its stage-3 shards; 0 when the parameters are not there), of which
+// `persistent_param_elements` belong to persistent units (stage3_param_persistence_threshold:
+// gathered once per step and kept, so read once);
 // `optimizer_elements`: the elements whose optimizer state (Adam m and v, and the fp32 master in
 // mixed precision) the rank holds on NVMe. Gradients are counted as kept in memory (a gradient
 // that must wait on disk for the norm adds its own write and read); with no clipping and not
@@ -309,6 +311,7 @@ struct MemoryReport {
 // least read_bytes and written_bytes plus that.
 struct NvmeTrafficInputs {
   uint64_t param_elements = 0;
+  uint64_t persistent_param_elements = 0;  // (part of param_elements)
   uint64_t optimizer_elements = 0;
   DType dtype = DType::kF32;
   int gradient_accumulation_steps = 1;

@@ -36,6 +36,9 @@ struct SchedulerOptions {
   // stage3_max_reuse_distance: a unit whose use ends stays live when it is used again within
   // this many elements of other units' uses. 0 = never kept.
   uint64_t max_reuse_distance = 1'000'000'000;
+  // A unit's read ahead takes the room its gathered parameters will (one rank: the shard read to
+  // the device is what the gather uses): reads ahead stay within max_live_elements as well.
+  bool reads_in_live_room = false;
 };
 
 enum class Use {
@@ -71,7 +74,8 @@ class Scheduler {
   // are not live, while the live elements stay within max_live_elements. Empty unless following.
   std::vector<size_t> gathers_ahead() const;
   // Units whose shards to start reading (from host or NVMe to the device) now: the not-live
-  // units of a window read_ahead_factor times the prefetch window. Empty unless following.
+  // units of a window read_ahead_factor times the prefetch window (with reads_in_live_room, while
+  // they and the live elements stay within max_live_elements). Empty unless following.
   std::vector<size_t> reads_ahead() const;
   // Whether `unit`, whose use just ended, should stay live: it is used again in this step within
   // max_reuse_distance elements, and the live elements plus the largest unit to be gathered
