@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # The ZeRO-Infinity promise on this machine: train a model whose fp32 training state (parameters,
-# gradients, Adam m and v: 16 bytes per parameter) is larger than the machine's RAM, for two
-# steps, with the budgets the engine chooses (none given: docs/engine.md, Budgets) or BUDGET for
+# gradients, Adam m and v: 16 bytes per parameter) is larger than the machine's RAM, for STEPS
+# steps (3), with the budgets the engine chooses (none given: docs/engine.md, Budgets) or BUDGET for
 # both. Prints the state size, the budgets, the peak resident memory of the process, the NVMe
 # traffic per step against its documented minimum (docs/offload.md, "The traffic minimum"; also
 # against that minimum plus the gradients that must wait on NVMe for the norm because the host
 # budget cannot hold them), and the step time against the time those bytes take at `zinf bench
 # io`'s read and write throughput on the same directory, measured right after the run (1 MiB
-# requests, queue depth 8: the engine's I/O settings). Exits 1 when the memory target (peak RSS
+# requests, queue depth 8: the engine's I/O settings). The summary (JSON) is of the second step:
+# with the update behind step() a step's bytes and time run from the end of the previous step's
+# update to the end of its own, and parameters updated by one step's walk are written back while
+# the next pass holds them, so a step carries the previous step's parameter writes; the last one
+# also carries its own, which the run's end flushes. Exits 1 when the memory target (peak RSS
 # <= 25% of the state) is missed.
 #
 # With SAVE=1 the run also saves a checkpoint after its last step (under NVME_DIR/ckpt), then
@@ -17,7 +21,8 @@
 # EXTRA adds flags to the training run (for example EXTRA="--clip 0 --overlap-optimizer": updates
 # fused into backward, whose minimum is lower: docs/offload.md).
 #
-#   bench/beyond_ram.sh [NVME_DIR] [PRESET]   (env: ZINF=build/cli/zinf, BUDGET=, SEQ=32, SAVE=, EXTRA=)
+#   bench/beyond_ram.sh [NVME_DIR] [PRESET]
+#     (env: ZINF=build/cli/zinf, BUDGET=, SEQ=32, STEPS=3, SAVE=, EXTRA=)
 set -euo pipefail
 DIR=${1:-.zinf/beyond}
 PRESET=${2:-2b}
@@ -26,6 +31,7 @@ BUDGET=${BUDGET:-}
 BUDGET_FLAGS=()
 [ -n "$BUDGET" ] && BUDGET_FLAGS=(--device-mem "$BUDGET" --host-mem "$BUDGET")
 SEQ=${SEQ:-32}
+STEPS=${STEPS:-3}
 SAVE=${SAVE:-}
 read -r -a EXTRA_FLAGS <<< "${EXTRA:-}"
 [ -x "$ZINF" ] || { echo "$ZINF not found: build first (make build)" >&2; exit 1; }
@@ -35,7 +41,7 @@ OUT=$(mktemp)
 TIMES=$(mktemp)
 trap 'rm -f "$LOG" "$OUT" "$TIMES"' EXIT
 SAVE_FLAGS=()
-[ -n "$SAVE" ] && SAVE_FLAGS=(--save-dir "$DIR/ckpt" --save-every 2 --keep 1)
+[ -n "$SAVE" ] && SAVE_FLAGS=(--save-dir "$DIR/ckpt" --save-every "$STEPS" --keep 1)
 
 ram=$(($(awk '/MemTotal/ { print $2 }' /proc/meminfo) * 1024))
 state=$("$ZINF" train --model "$PRESET" --describe | python3 -c 'import json,sys; print(json.load(sys.stdin)["training_state_bytes_fp32"])')
@@ -48,7 +54,7 @@ fi
 /usr/bin/time -f "train %M %e" -a -o "$TIMES" \
   "$ZINF" train --model "$PRESET" --ranks 1 --stage 3 --offload-param nvme --offload-optimizer nvme \
   --nvme-path "$DIR" "${BUDGET_FLAGS[@]}" --batch 1 --seq "$SEQ" \
-  --steps 2 --lr 1e-5 --log-json "$LOG" "${SAVE_FLAGS[@]}" "${EXTRA_FLAGS[@]}" | tee "$OUT"
+  --steps "$STEPS" --lr 1e-5 --log-json "$LOG" "${SAVE_FLAGS[@]}" "${EXTRA_FLAGS[@]}" | tee "$OUT"
 if [ -n "$SAVE" ]; then
   /usr/bin/time -f "export %M %e" -a -o "$TIMES" \
     "$ZINF" checkpoint export "$DIR/ckpt" --out "$DIR/export.safetensors"
@@ -85,7 +91,8 @@ for s in steps:
           f"budget, where {spill / 2**30:.2f} GiB of gradients wait on NVMe for the norm, "
           f"{s['nvme_read_bytes'] / (rmin + spill):.2f}x and "
           f"{s['nvme_written_bytes'] / (wmin + spill):.2f}x the least")
-last = steps[-1]
+# The second step (the only one after the first in a run of two): see the header.
+last = steps[1] if len(steps) > 1 else steps[0]
 spill = last["nvme_gradient_spill_minimum_bytes"]
 io_s = last["nvme_read_bytes"] / read_bw + last["nvme_written_bytes"] / write_bw
 print(json.dumps({"parameters": params, "training_state_bytes": state, "peak_rss_bytes": rss,
