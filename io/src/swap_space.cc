@@ -158,9 +158,39 @@ struct SwapSpace::Impl {
     for (const Piece& p : pieces) p.file->give_back(p.file_offset, p.length);
   }
 
+  // `check` (reads with checksums on): the checksums go there, for the caller to verify,
+  // instead of being checked on the I/O thread.
   Status transfer(ExtentId id, IoOp op, uint64_t offset, uint64_t length, void* buffer,
-                  std::function<void(Status)> done);
+                  std::function<void(Status)> done, ReadCheck* check = nullptr);
 };
+
+struct ReadCheck::Data {
+  std::string what;  // the extent, for errors
+  uint64_t offset = 0, length = 0;
+  const void* buffer = nullptr;
+  std::vector<std::optional<uint64_t>> expected;  // one per block of the range
+};
+
+namespace {
+
+// The first block of [buffer, buffer + length) whose hash differs from `expected`.
+Status check_blocks(const void* buffer, uint64_t offset, uint64_t length,
+                    const std::vector<std::optional<uint64_t>>& expected) {
+  for (size_t b = 0; b < expected.size(); ++b) {
+    const uint64_t pos = b * SwapSpace::kChecksumBlock;
+    const uint64_t got = XXH3_64bits(static_cast<const char*>(buffer) + pos,
+                                     std::min(SwapSpace::kChecksumBlock, length - pos));
+    if (got != *expected[b]) {
+      return make_error(ErrorCode::kCorrupt,
+                        "checksum mismatch in the {}-byte block at offset {}: expected {:016x}, "
+                        "read {:016x}",
+                        SwapSpace::kChecksumBlock, offset + pos, *expected[b], got);
+    }
+  }
+  return Status::ok();
+}
+
+}  // namespace
 
 SwapSpace::SwapSpace(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
@@ -334,7 +364,7 @@ uint64_t SwapSpace::padded_bytes(ExtentId id) const {
 }
 
 Status SwapSpace::Impl::transfer(ExtentId id, IoOp op, uint64_t offset, uint64_t length,
-                                 void* buffer, std::function<void(Status)> done) {
+                                 void* buffer, std::function<void(Status)> done, ReadCheck* check) {
   std::vector<IoRequest> requests;
   std::string what;
   std::vector<std::optional<uint64_t>> expected;  // checksums of the blocks in range (reads)
@@ -384,6 +414,16 @@ Status SwapSpace::Impl::transfer(ExtentId id, IoOp op, uint64_t offset, uint64_t
     ++e.in_flight;
     ++in_flight;
   }
+  if (check != nullptr && !expected.empty()) {
+    auto data = std::make_shared<ReadCheck::Data>();
+    data->what = what;
+    data->offset = offset;
+    data->length = length;
+    data->buffer = buffer;
+    data->expected = std::move(expected);
+    expected.clear();  // (nothing left to check on the I/O thread)
+    check->data_ = std::move(data);
+  }
   // Checksums of the written blocks, computed before the data leaves.
   std::vector<uint64_t> written;
   if (op == IoOp::kWrite && options.checksum) {
@@ -404,20 +444,7 @@ Status SwapSpace::Impl::transfer(ExtentId id, IoOp op, uint64_t offset, uint64_t
   auto finish = [this, id, op, offset, length, buffer, first_block, what,
                  expected = std::move(expected), written = std::move(written),
                  done = std::move(done)](Status st) {
-    if (st.is_ok() && op == IoOp::kRead) {
-      for (size_t b = 0; b < expected.size(); ++b) {
-        uint64_t pos = b * kChecksumBlock;
-        uint64_t got =
-            XXH3_64bits(static_cast<char*>(buffer) + pos, std::min(kChecksumBlock, length - pos));
-        if (got != *expected[b]) {
-          st = make_error(ErrorCode::kCorrupt,
-                          "checksum mismatch in the {}-byte block at offset {}: expected {:016x}, "
-                          "read {:016x}",
-                          kChecksumBlock, offset + pos, *expected[b], got);
-          break;
-        }
-      }
-    }
+    if (st.is_ok() && op == IoOp::kRead) st = check_blocks(buffer, offset, length, expected);
     if (!st.is_ok()) st.with_context(what);
     {
       std::lock_guard lock(mu);
@@ -495,6 +522,23 @@ Status SwapSpace::read_range_async(ExtentId id, uint64_t offset, uint64_t length
   return impl_->transfer(id, IoOp::kRead, offset, length, buffer, std::move(done));
 }
 
+Status SwapSpace::read_range_async(ExtentId id, uint64_t offset, uint64_t length, void* buffer,
+                                   std::function<void(Status)> done, ReadCheck& check) {
+  check = ReadCheck();
+  if (padded_bytes(id) == 0) {
+    return make_error(ErrorCode::kNotFound, "swap extent {} does not exist", id);
+  }
+  return impl_->transfer(id, IoOp::kRead, offset, length, buffer, std::move(done), &check);
+}
+
+Status SwapSpace::verify(const ReadCheck& check) const {
+  if (!check) return Status::ok();
+  const ReadCheck::Data& d = *check.data_;
+  Status st = check_blocks(d.buffer, d.offset, d.length, d.expected);
+  if (!st.is_ok()) st.with_context(d.what);
+  return st;
+}
+
 Status SwapSpace::write_range(ExtentId id, uint64_t offset, uint64_t length, const void* buffer) {
   std::promise<Status> p;
   auto f = p.get_future();
@@ -506,9 +550,11 @@ Status SwapSpace::write_range(ExtentId id, uint64_t offset, uint64_t length, con
 Status SwapSpace::read_range(ExtentId id, uint64_t offset, uint64_t length, void* buffer) {
   std::promise<Status> p;
   auto f = p.get_future();
-  ZINF_RETURN_IF_ERROR(
-      read_range_async(id, offset, length, buffer, [&p](Status s) { p.set_value(std::move(s)); }));
-  return f.get();
+  ReadCheck check;
+  ZINF_RETURN_IF_ERROR(read_range_async(
+      id, offset, length, buffer, [&p](Status s) { p.set_value(std::move(s)); }, check));
+  ZINF_RETURN_IF_ERROR(f.get());
+  return verify(check);  // on this thread, not the ring's
 }
 
 Status SwapSpace::write(ExtentId id, const void* buffer) {
@@ -519,10 +565,7 @@ Status SwapSpace::write(ExtentId id, const void* buffer) {
 }
 
 Status SwapSpace::read(ExtentId id, void* buffer) {
-  std::promise<Status> p;
-  auto f = p.get_future();
-  ZINF_RETURN_IF_ERROR(read_async(id, buffer, [&p](Status s) { p.set_value(std::move(s)); }));
-  return f.get();
+  return read_range(id, 0, padded_bytes(id), buffer);
 }
 
 SwapStats SwapSpace::stats() const {

@@ -157,6 +157,7 @@ struct TieredTensorStore::Impl {
     const uint64_t n = (bytes + piece - 1) / piece;
     const uint64_t k = lane.staging.size();
     std::vector<std::future<Status>> reads(n);
+    std::vector<io::ReadCheck> checks(n);  // verified here, not on the ring's thread
     std::vector<Event> copied(n);
     uint64_t next_read = 0;
     Status first_error;
@@ -164,8 +165,9 @@ struct TieredTensorStore::Impl {
       auto p = std::make_shared<std::promise<Status>>();
       reads[j] = p->get_future();
       uint64_t len = std::min(piece, bytes - j * piece);
-      Status s = o.swap->read_range_async(extent, j * piece, len, lane.staging[j % k].data(),
-                                          [p](Status st) { p->set_value(std::move(st)); });
+      Status s = o.swap->read_range_async(
+          extent, j * piece, len, lane.staging[j % k].data(),
+          [p](Status st) { p->set_value(std::move(st)); }, checks[j]);
       if (!s.is_ok()) p->set_value(std::move(s));
     };
     // Reads up to piece `limit`; piece j reuses buffer j % k once piece j - k was copied out.
@@ -184,6 +186,7 @@ struct TieredTensorStore::Impl {
     refill(k - 1);
     for (uint64_t i = 0; i < n && first_error.is_ok(); ++i) {
       Status r = reads[i].get();
+      if (r.is_ok()) r = o.swap->verify(checks[i]);
       if (!r.is_ok()) {
         first_error = std::move(r);
         break;

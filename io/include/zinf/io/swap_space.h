@@ -54,6 +54,19 @@ struct SwapStats {
   uint64_t bytes_read = 0;
 };
 
+// A read's checksums, left to whoever waits for the read (SwapSpace::verify) instead of the I/O
+// thread that completes it, so that the ring's one thread submits and reaps while the waiters
+// hash. Empty when checksums are off.
+class ReadCheck {
+ public:
+  explicit operator bool() const { return data_ != nullptr; }
+
+ private:
+  friend class SwapSpace;
+  struct Data;
+  std::shared_ptr<const Data> data_;
+};
+
 class SwapSpace {
  public:
   static constexpr uint64_t kAlignment = 4096;
@@ -81,6 +94,13 @@ class SwapSpace {
                            std::function<void(Status)> done);
   Status read_range_async(ExtentId id, uint64_t offset, uint64_t length, void* buffer,
                           std::function<void(Status)> done);
+  // The same, with the checksums checked by the caller: `check` is set before this returns, and
+  // once `done` has reported success the bytes may be used only after verify(check) passes.
+  Status read_range_async(ExtentId id, uint64_t offset, uint64_t length, void* buffer,
+                          std::function<void(Status)> done, ReadCheck& check);
+  // Hashes the blocks a finished read brought and compares them with the checksums they were
+  // written with: kCorrupt naming the extent, its file and the block's offset on a mismatch.
+  Status verify(const ReadCheck& check) const;
   Status write_range(ExtentId id, uint64_t offset, uint64_t length, const void* buffer);
   Status read_range(ExtentId id, uint64_t offset, uint64_t length, void* buffer);
 
