@@ -8,12 +8,12 @@
 # the formula counts but this copy does not.
 # With the updates fused into the backward pass (--overlap-optimizer, no clipping), a step moves
 # at most 1.1 times the minimum: spent gradient accumulators are never written, and each unit's
-# shard reaches its update from the copy its backward gather used, not from NVMe again. (At 48
-# MiB, the edge of what these runs need, a disk slowed by other work once made steps re-read
-# units, 1.03-1.23x in 5 of 6 bf16 runs: reads ahead landed on the device beyond the room the
-# live window leaves and were evicted before their use. With one rank they now stay within it,
-# SchedulerOptions::reads_in_live_room: beside a random fio load, 1.00x in 5 of 5 bf16 runs here,
-# and at the 16 MiB device budget these runs had then, 0.88x in 4 of 4, units kept on the device.)
+# shard reaches its update from the copy its backward gather used, not from NVMe again. Those
+# runs have two staging buffers per lane (offload_param.buffer_count 2: 12 MiB of staging instead
+# of 30), so that the 48 MiB budget leaves them 36 MiB beside the staging, below the state still.
+# With the 18 MiB that five buffers leave, a machine loaded by other work made them re-read some
+# units (1.09-1.23x in a few runs beside other tests): the copy kept on the host for an update
+# was evicted before the update, which lagged behind the backward pass.
 # With one rank the update runs behind step() (zinf.update_behind) and the next forward pass
 # takes the parameters it updated from memory: in fp32 with clipping the minimum is then the
 # 16 bytes read per parameter of the fused case; the same run with update_behind off reads the
@@ -41,12 +41,14 @@ status=0
 echo '{"zero_optimization": {"stage3_param_persistence_threshold": 0}}' > "$dir/base.json"
 echo '{"zero_optimization": {"stage3_param_persistence_threshold": 0},
        "zinf": {"update_behind": false}}' > "$dir/inside.json"
+printf '{"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "offload_param":
+       {"device": "nvme", "nvme_path": "%s", "buffer_count": 2}}}' "$dir/swap" > "$dir/fused.json"
 for c in "fp32 0 1 16 12 40M" "fp32 1 1 16 12 40M" "fp32 1 1 20 12 40M inside" \
   "bf16 1 1 16 14 40M" "bf16 0 2 20 14 40M" "fp32 1 2 24 12 40M" "fp32 0 1 16 12 48M fused" "bf16 0 1 16 14 48M fused"; do
   set -- $c
   host=$6 mode=${7:-}
   fused=$([ "$mode" = fused ] && echo fused)
-  config=$([ "$mode" = inside ] && echo inside || echo base)
+  config=${mode:-base}
   device=$([ "$1" = fp32 ] && echo 7M || echo 4M)
   "$zinf" train $model --steps 3 --stage 3 --dtype "$1" --clip "$2" --grad-accum "$3" \
     ${fused:+--overlap-optimizer} --config "$dir/$config.json" \
