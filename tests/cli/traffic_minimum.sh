@@ -12,8 +12,8 @@
 # runs have two staging buffers per lane (offload_param.buffer_count 2: 12 MiB of staging instead
 # of 30), so that the 48 MiB budget leaves them 36 MiB beside the staging, below the state still.
 # With the 18 MiB that five buffers leave, a machine loaded by other work made them re-read some
-# units (1.09-1.23x in a few runs beside other tests): the copy kept on the host for an update
-# was evicted before the update, which lagged behind the backward pass.
+# units (1.09x and 1.12x in one run beside the other tests): the copy kept on the host for an
+# update was evicted before the update, which lagged behind the backward pass.
 # With one rank the update runs behind step() (zinf.update_behind) and the next forward pass
 # takes the parameters it updated from memory: in fp32 with clipping the minimum is then the
 # 16 bytes read per parameter of the fused case; the same run with update_behind off reads the
