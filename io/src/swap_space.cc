@@ -3,7 +3,6 @@
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
-#include <xxhash.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -18,6 +17,7 @@
 
 #include "zinf/core/log.h"
 #include "zinf/core/units.h"
+#include "zinf/io/checksum.h"
 
 namespace zinf::io {
 namespace {
@@ -178,8 +178,8 @@ Status check_blocks(const void* buffer, uint64_t offset, uint64_t length,
                     const std::vector<std::optional<uint64_t>>& expected) {
   for (size_t b = 0; b < expected.size(); ++b) {
     const uint64_t pos = b * SwapSpace::kChecksumBlock;
-    const uint64_t got = XXH3_64bits(static_cast<const char*>(buffer) + pos,
-                                     std::min(SwapSpace::kChecksumBlock, length - pos));
+    const uint64_t got = checksum64(static_cast<const char*>(buffer) + pos,
+                                    std::min(SwapSpace::kChecksumBlock, length - pos));
     if (got != *expected[b]) {
       return make_error(ErrorCode::kCorrupt,
                         "checksum mismatch in the {}-byte block at offset {}: expected {:016x}, "
@@ -206,7 +206,7 @@ std::string swap_host_tag() {
     const ssize_t n = ::readlink("/proc/self/ns/pid", ns, sizeof ns - 1);
     if (boot.empty() || n <= 0) return std::string();
     const std::string key = boot + std::string(ns, static_cast<size_t>(n));
-    return fmt::format("{:08x}", static_cast<uint32_t>(XXH3_64bits(key.data(), key.size())));
+    return fmt::format("{:08x}", static_cast<uint32_t>(checksum64(key.data(), key.size())));
   }();
   return tag;
 }
@@ -429,7 +429,7 @@ Status SwapSpace::Impl::transfer(ExtentId id, IoOp op, uint64_t offset, uint64_t
   if (op == IoOp::kWrite && options.checksum) {
     for (uint64_t pos = 0; pos < length; pos += kChecksumBlock) {
       written.push_back(
-          XXH3_64bits(static_cast<char*>(buffer) + pos, std::min(kChecksumBlock, length - pos)));
+          checksum64(static_cast<char*>(buffer) + pos, std::min(kChecksumBlock, length - pos)));
     }
   }
 
