@@ -564,6 +564,36 @@ TEST_F(StoreTest, APrefetchNeverEvictsACopyAwaitingUse) {
   expect_within_budgets();
 }
 
+// keep_for_use: a copy made for a use that comes later (the engine's host copy of a unit's
+// parameters kept for its update) is kept like a copy read ahead. Used first, it would be the
+// least recently used, the first to go; kept, neither a prefetch nor a demand for room takes it
+// while other clean copies are there, and its acquire ends the protection.
+TEST_F(StoreTest, ACopyKeptForAUseOutlivesTheOtherCleanCopies) {
+  build({.device_budget = 4 << 20});
+  std::vector<TensorId> ids;
+  for (int i = 0; i < 6; ++i) ids.push_back(make("t" + std::to_string(i), 1 << 20, Tier::kHost));
+  write(ids[0], Tier::kHost, 40);
+  expect(ids[0], Tier::kDevice, 40);
+  store_->keep_for_use(ids[0], Tier::kDevice);
+  for (int i = 1; i < 4; ++i) expect(ids[i], Tier::kDevice, 0);  // the budget is full
+  store_->prefetch(ids[4], Tier::kDevice);
+  ASSERT_TRUE(eventually([&] { return store_->residency(ids[4]).valid[0]; }));
+  EXPECT_TRUE(store_->residency(ids[0]).valid[0]);
+  EXPECT_FALSE(store_->residency(ids[1]).valid[0]);  // the least recently used of the others
+  expect(ids[5], Tier::kDevice, 0);                  // on demand: another used copy goes
+  EXPECT_TRUE(store_->residency(ids[0]).valid[0]);
+  EXPECT_FALSE(store_->residency(ids[2]).valid[0]);
+  EXPECT_EQ(store_->stats().prefetches_given_up, 0u);
+  // Its use takes it without a read (no move into the device tier beyond the six above).
+  const StoreStats before = store_->stats();
+  expect(ids[0], Tier::kDevice, 40);
+  EXPECT_EQ(store_->stats().bytes_to_device, before.bytes_to_device);
+  // A copy that is not there is left alone.
+  store_->keep_for_use(ids[1], Tier::kDevice);
+  EXPECT_FALSE(store_->residency(ids[1]).allocated[0]);
+  expect_within_budgets();
+}
+
 // PrefetchRoom::kCleanOnly: a prefetch that could only make room by writing a dirty copy back
 // gives up and writes nothing; kAny writes it back and evicts it, and the data survives.
 TEST_F(StoreTest, ACleanOnlyPrefetchWritesNothingBack) {

@@ -136,10 +136,17 @@ Status Gatherer::finish(size_t u, bool for_update) {
 
 void Gatherer::keep_for_update(size_t u) {
   // An optimisation only: when the host has no room, the update reads the shard as before.
-  auto host = e_.store->acquire(e_.unit_states[u].params, Tier::kHost);
-  if (!host.is_ok())
+  const TensorId params = e_.unit_states[u].params;
+  auto host = e_.store->acquire(params, Tier::kHost);
+  if (!host.is_ok()) {
     log::debug("engine: {} not kept on the host for its update: {}", e_.units[u].name,
                host.status().to_string());
+    return;
+  }
+  host->release();
+  // Until the update takes it: when updates lag behind the backward pass, the reads ahead for
+  // those before it must not evict it (it would be read back from NVMe).
+  e_.store->keep_for_use(params, Tier::kHost);
 }
 
 void Gatherer::drop(size_t u) {

@@ -1121,6 +1121,17 @@ void TieredTensorStore::set_next_use(TensorId id, uint64_t tick) {
 
 void TieredTensorStore::clear_next_use(TensorId id) { set_next_use(id, kUnknownUse); }
 
+void TieredTensorStore::keep_for_use(TensorId id, Tier tier) {
+  Impl& s = *impl_;
+  std::lock_guard lk(s.mu);
+  Tensor* t = s.get(id);
+  if (t == nullptr || tier == t->spec.home) return;
+  Copy& c = t->copies[idx(tier)];
+  if (!c.valid || c.incoming) return;
+  c.awaiting = true;
+  c.last_use = ++s.clock;  // among copies awaiting use, the latest is taken first
+}
+
 const TensorSpec& TieredTensorStore::spec(TensorId id) const {
   std::lock_guard lk(impl_->mu);
   Tensor* t = impl_->get(id);

@@ -190,6 +190,11 @@ class TieredTensorStore {
   // Forgets that hint: the next use is unknown again (such copies are evicted first, least
   // recently used first).
   void clear_next_use(TensorId id);
+  // The copy in `tier`, when it is there, counts as awaiting use until its next acquire, like a
+  // copy read ahead: no prefetch evicts it, and a demand for room takes it only after the other
+  // clean copies. For a copy made now for a use that comes later (the engine's host copy of a
+  // unit's parameters kept for the unit's update, which may lag behind the backward pass).
+  void keep_for_use(TensorId id, Tier tier);
 
   const TensorSpec& spec(TensorId id) const;
   uint64_t padded_bytes(TensorId id) const;
