@@ -638,8 +638,12 @@ void OptimizerPipeline::append_reads(size_t pi, std::vector<std::pair<TensorId, 
   const PieceState& p = e_.pieces[pi];
   const UnitState& st = e_.unit_states[p.unit];
   const Tier tier = EngineState::compute_tier(st);
-  for (TensorId id : {st.params, p.master, p.m, p.v, p.acc}) {  // as update_piece() takes them
-    if (id != kNoTensor) reads.emplace_back(id, tier);
+  // An accumulator that is zero and whose unit's gradients are still to come (behind step(),
+  // the walk's first groups are read from the backward pass's start) holds nothing: the pass
+  // overwrites it (acc_zero), so reading its home's old bytes would be a wasted read.
+  const bool acc_dead = st.acc_zero && !st.grads_final;
+  for (TensorId id : {st.params, p.master, p.m, p.v, acc_dead ? kNoTensor : p.acc}) {
+    if (id != kNoTensor) reads.emplace_back(id, tier);  // as update_piece() takes them
   }
 }
 
