@@ -412,6 +412,73 @@ TEST(Schedule, TheReadAheadReadsNoAccumulatorThePassWillOverwrite) {
   }
 }
 
+// The shards the walk behind step() keeps for the next forward pass (the host budget has room
+// beyond the accumulators) stay in memory unwritten: with every shard fitting, a step writes m
+// and v and no parameter (until 2026-12-07 each kept shard was written back as well, 4 bytes per
+// parameter every step), reads only m and v, and ends on the bits of the update inside step().
+TEST(Schedule, ShardsKeptForTheNextPassAreNotWrittenBack) {
+  const MlpShape shape{.dims = {32, 256, 256, 8}};
+  auto run = [&](bool behind, std::vector<uint64_t>* written, std::vector<uint64_t>* read,
+                 uint64_t* param_bytes) {
+    zinf::testing::TempDir nvme;
+    EngineSettings s = stage3();  // clipping at 0.5
+    s.param_home = Tier::kNvme;
+    s.optimizer_home = Tier::kNvme;
+    s.nvme_paths = {nvme.path()};
+    s.sub_group_elements = 4096;
+    s.host_mem = 64 << 20;  // every shard, its state and accumulator fit
+    s.pipeline_read = true;
+    s.update_behind = behind;
+    auto group = comm::make_local_group(1).value();
+    auto engine = Engine::create(s, *group[0], testing::mlp_units(shape), testing::mlp_init);
+    EXPECT_TRUE(engine.is_ok()) << engine.status().to_string();
+    if (!engine.is_ok()) return std::vector<std::vector<float>>{};
+    *param_bytes = 0;
+    for (size_t u = 0; u < (*engine)->unit_count(); ++u) {
+      *param_bytes += padded_elements(shape, 1, u) * 4;
+    }
+    const std::vector<uint64_t> samples = {0, 1};
+    uint64_t w0 = 0, r0 = 0;
+    for (int step = 0; step < 5; ++step) {
+      EXPECT_TRUE(testing::mlp_micro_step(**engine, shape, samples).is_ok());
+      EXPECT_TRUE((*engine)->step().is_ok());
+      EXPECT_TRUE((*engine)->wait_for_update().is_ok());
+      const StoreStats st = (*engine)->store_stats();
+      written->push_back(st.bytes_nvme_written - w0);
+      read->push_back(st.bytes_nvme_read - r0);
+      w0 = st.bytes_nvme_written;
+      r0 = st.bytes_nvme_read;
+    }
+    std::vector<std::vector<float>> params;
+    for (size_t u = 0; u < (*engine)->unit_count(); ++u) {
+      auto p = (*engine)->full_parameters(u);
+      EXPECT_TRUE(p.is_ok());
+      if (p.is_ok()) params.push_back(std::move(p).value());
+    }
+    return params;
+  };
+  std::vector<uint64_t> w_in, r_in, w_behind, r_behind;
+  uint64_t param_bytes = 0;
+  const auto inside = run(false, &w_in, &r_in, &param_bytes);
+  const auto behind = run(true, &w_behind, &r_behind, &param_bytes);
+  ASSERT_EQ(w_behind.size(), 5u);
+  ASSERT_EQ(w_in.size(), 5u);
+  for (int step = 2; step < 5; ++step) {
+    // Inside step() every updated shard is written back (and read again by the next pass);
+    // behind it, a step moves m and v, once each way, and nothing else.
+    EXPECT_EQ(w_behind[step] + param_bytes, w_in[step]) << "step " << step;
+    EXPECT_EQ(r_behind[step], w_behind[step]) << "step " << step;
+    EXPECT_GT(r_in[step], r_behind[step]) << "step " << step;
+  }
+  ASSERT_EQ(behind.size(), inside.size());
+  ASSERT_EQ(inside.size(), 3u);
+  for (size_t u = 0; u < inside.size(); ++u) {
+    ASSERT_EQ(behind[u].size(), inside[u].size());
+    EXPECT_EQ(std::memcmp(behind[u].data(), inside[u].data(), inside[u].size() * 4), 0)
+        << "unit " << u;
+  }
+}
+
 // A read error in the update behind step(): step() has returned, so the failure comes with the
 // next call that needs the update: a gather of a unit the walk did not reach (the first read
 // fails) or wait_for_update() (the 20th). It names the swap file; the engine refuses to go on

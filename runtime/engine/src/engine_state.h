@@ -180,14 +180,6 @@ struct EngineState {
       evictions_.push_back(std::move(f));
     }
   }
-  // Like release_offloaded(), for a copy used again soon: written back to an NVMe home and kept
-  // (clean, so that a later eviction only drops it).
-  void write_back_offloaded(TensorId id, Tier home, Tier where) {
-    if (home != Tier::kNvme) return release_offloaded(id, home, where);
-    auto f = store->write_back_async(id, where);
-    std::lock_guard lk(evictions_mu_);
-    evictions_.push_back(std::move(f));
-  }
   // The tensor's contents are dead (a gradient accumulator after its update): its copy in
   // `where` goes without a write-back to its home.
   Status discard_offloaded(TensorId id, Tier home, Tier where) {

@@ -614,9 +614,12 @@ Status OptimizerPipeline::update_piece(size_t pi, const kernels::AdamStepArgs& a
   }
   if (e_.policy.sharded_params && unit_done) {
     if (keep.params && tier != Tier::kDevice && p.unit < first_use_.size()) {
-      // The next forward pass gathers them soon (update_behind): from here, not from NVMe.
+      // The next forward pass gathers them soon (update_behind): from here, not from NVMe. They
+      // stay as they are, not written back: the store writes them out only if it needs their
+      // room (a dirty copy goes after the clean ones), or once the pass's device copy is the only
+      // one left and goes; a shard that stays in memory until the next walk updates it again
+      // never reaches the disk in between.
       e_.store->set_next_use(st.params, keep.tick + first_use_[p.unit]);
-      e_.write_back_offloaded(st.params, e_.s.param_home, tier);
     } else {
       e_.release_offloaded(st.params, e_.s.param_home, tier);
     }
