@@ -594,6 +594,40 @@ TEST_F(StoreTest, ACopyKeptForAUseOutlivesTheOtherCleanCopies) {
   expect_within_budgets();
 }
 
+// A copy an acquire waits for lands before that acquire wakes up to take it. The mover that moved
+// it may go on with an ordered list, whose next read needs room: the copy just landed is not that
+// room. Taken, it would be read twice (in the engine's walk behind step(), the state of the group
+// being updated was read again every step).
+TEST_F(StoreTest, ACopyLandedForAWaitingAcquireIsNotAPrefetchsRoom) {
+  build({.device_budget = 2 << 20, .holding_device = true, .movers = 1});
+  TensorId wanted = make("wanted", 1 << 20, Tier::kHost), next = make("next", 1 << 20, Tier::kHost);
+  TensorId dirty = make("dirty", 1 << 20, Tier::kHost);
+  write(wanted, Tier::kHost, 61);
+  write(dirty, Tier::kDevice, 62);  // half the device budget, and a clean-only prefetch's no room
+  {
+    auto h = store_->acquire(wanted, Tier::kHost);
+    ASSERT_TRUE(h.is_ok()) << h.status().to_string();
+    holding_->hold_copy_from(h->data(), h->bytes());
+  }
+  const StoreStats before = store_->stats();
+  store_->prefetch_in_order({{wanted, Tier::kDevice}, {next, Tier::kDevice}},
+                            PrefetchRoom::kCleanOnly);
+  holding_->wait_until_holding();  // the list's mover, in the middle of moving `wanted`
+  auto user = std::async(std::launch::async, [&] { expect(wanted, Tier::kDevice, 61); });
+  // The acquire joins the move (there is nothing else for it to do): let it.
+  (void)user.wait_for(std::chrono::milliseconds(200));
+  holding_->open();
+  user.get();
+  // Queued after the list on the one mover: once it reports, the list has run.
+  ASSERT_TRUE(store_->evict_async(wanted, Tier::kHost).get().is_ok());
+  EXPECT_EQ(store_->stats().bytes_to_device - before.bytes_to_device, 1u << 20)
+      << "the copy the acquire waited for was evicted before it took it, and read again";
+  EXPECT_EQ(store_->stats().prefetches_given_up - before.prefetches_given_up, 1u);
+  EXPECT_FALSE(store_->residency(next).valid[0]);
+  expect(dirty, Tier::kDevice, 62);
+  expect_within_budgets();
+}
+
 // PrefetchRoom::kCleanOnly: a prefetch that could only make room by writing a dirty copy back
 // gives up and writes nothing; kAny writes it back and evicts it, and the data survives.
 TEST_F(StoreTest, ACleanOnlyPrefetchWritesNothingBack) {

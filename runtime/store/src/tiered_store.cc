@@ -42,7 +42,7 @@ struct Copy {
   void* ptr = nullptr;            // device or host data; null for NVMe
   std::shared_ptr<Job> incoming;  // a move filling this copy
   uint64_t last_use = 0;          // clock of the last acquire (of the arrival, while awaiting use)
-  bool awaiting = false;          // brought by a prefetch, not acquired since
+  bool awaiting = false;          // brought by a move (a prefetch's or not), not acquired since
 
   // Something holds or moves these bytes: the copy may be neither dropped nor freed now.
   bool busy() const { return pins > 0 || reads > 0 || incoming || writing_back; }
@@ -546,8 +546,10 @@ struct TieredTensorStore::Impl {
       return Status::ok();
     }
     d.valid = true;
-    d.awaiting = !job.demanded;
-    if (d.awaiting) d.last_use = ++clock;  // its arrival (see pick_victim())
+    // Awaiting use until acquired, also when an acquire waits for it: it takes the copy only once
+    // woken, and meanwhile another mover's prefetch must not evict it (it would be read twice).
+    d.awaiting = true;
+    d.last_use = ++clock;  // its arrival (see pick_victim())
     return Status::ok();
   }
 

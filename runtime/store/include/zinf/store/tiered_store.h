@@ -23,8 +23,9 @@
 //    announces its writes (mark_dirty first, or kOverwrite) before making them.
 //  - When a tier is over its budget (the Device's budget for kDevice, the PinnedPool's for
 //    kHost) copies that are not pinned are dropped: clean ones first, dirty ones after being
-//    written back to their home; copies that a prefetch brought and nobody has acquired since
-//    ("awaiting use") after the other clean ones; within each kind by farthest next use
+//    written back to their home; copies that a move brought and nobody has acquired since
+//    ("awaiting use": read ahead, or landed for an acquire not yet awake) after the other clean
+//    ones; within each kind by farthest next use
 //    (set_next_use) when known, least recently used otherwise. Nothing pinned is ever evicted; if
 //    everything is, acquire fails with kOutOfMemory naming the tensor, the tier and the budget.
 //    A prefetch never evicts a copy awaiting use (prefetches are issued in the order of use, so
