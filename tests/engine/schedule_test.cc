@@ -333,89 +333,103 @@ TEST(Schedule, AStepThatFailsHalfWayIsFinishedByTheNextStep) {
 // and with a host budget too small to read the walk ahead whole.
 TEST(Schedule, TheUpdateBehindStepKeepsTheBits) {
   const MlpShape shape{.dims = {32, 256, 256, 8}};
-  auto run = [&](bool behind, bool* returned_early) -> std::vector<std::vector<float>> {
-    zinf::testing::TempDir nvme;
-    EngineSettings s = stage3();  // clipping at 0.5
-    s.param_home = Tier::kNvme;
-    s.optimizer_home = Tier::kNvme;
-    s.nvme_paths = {nvme.path()};
-    s.sub_group_elements = 4096;
-    s.staging_bytes = 1 << 20;
-    s.staging_buffers = 2;
-    s.host_mem = 6 * (1 << 20) + (640 << 10);  // the staging (6 MiB) and 640 KiB of the 1.2 MB
-    s.update_behind = behind;
-    auto group = comm::make_local_group(1).value();
-    auto engine = Engine::create(s, *group[0], testing::mlp_units(shape), testing::mlp_init);
-    EXPECT_TRUE(engine.is_ok()) << engine.status().to_string();
-    if (!engine.is_ok()) return {};
-    const std::vector<uint64_t> samples = {0, 1, 2};
-    for (int step = 0; step < 4; ++step) {
-      EXPECT_TRUE(testing::mlp_micro_step(**engine, shape, samples).is_ok());
-      const uint64_t ends = (*engine)->update_ends().size();
-      EXPECT_TRUE((*engine)->step().is_ok());
-      if ((*engine)->update_ends().size() == ends) *returned_early = true;
-      EXPECT_TRUE((*engine)->set_lr(0.01f / static_cast<float>(step + 2)).is_ok());
+  // The staging (6 MiB) and 640 KiB of the 1.2 MB of state: the walk cannot be held whole. With
+  // 11.5 MB and the reads pipelined, the state of some groups is kept for the next walk.
+  for (const auto& [host_mem, pipeline_read] :
+       {std::pair{uint64_t{6 << 20} + (640 << 10), false}, std::pair{uint64_t{11'500'000}, true}}) {
+    SCOPED_TRACE(host_mem);
+    auto run = [&](bool behind, bool* returned_early) -> std::vector<std::vector<float>> {
+      zinf::testing::TempDir nvme;
+      EngineSettings s = stage3();  // clipping at 0.5
+      s.param_home = Tier::kNvme;
+      s.optimizer_home = Tier::kNvme;
+      s.nvme_paths = {nvme.path()};
+      s.sub_group_elements = 4096;
+      s.staging_bytes = 1 << 20;
+      s.staging_buffers = 2;
+      s.host_mem = host_mem;
+      s.pipeline_read = pipeline_read;
+      s.update_behind = behind;
+      auto group = comm::make_local_group(1).value();
+      auto engine = Engine::create(s, *group[0], testing::mlp_units(shape), testing::mlp_init);
+      EXPECT_TRUE(engine.is_ok()) << engine.status().to_string();
+      if (!engine.is_ok()) return {};
+      const std::vector<uint64_t> samples = {0, 1, 2};
+      for (int step = 0; step < 4; ++step) {
+        EXPECT_TRUE(testing::mlp_micro_step(**engine, shape, samples).is_ok());
+        const uint64_t ends = (*engine)->update_ends().size();
+        EXPECT_TRUE((*engine)->step().is_ok());
+        if ((*engine)->update_ends().size() == ends) *returned_early = true;
+        EXPECT_TRUE((*engine)->set_lr(0.01f / static_cast<float>(step + 2)).is_ok());
+      }
+      EXPECT_TRUE((*engine)->wait_for_update().is_ok());
+      EXPECT_EQ((*engine)->update_ends().size(), 4u) << "one entry per step() once waited for";
+      std::vector<std::vector<float>> params;
+      for (size_t u = 0; u < (*engine)->unit_count(); ++u) {
+        auto p = (*engine)->full_parameters(u);
+        EXPECT_TRUE(p.is_ok());
+        if (p.is_ok()) params.push_back(std::move(p).value());
+      }
+      return params;
+    };
+    bool early_inside = false, early_behind = false;
+    const auto inside = run(false, &early_inside);
+    const auto behind = run(true, &early_behind);
+    EXPECT_FALSE(early_inside) << "without update_behind, step() returns after its update";
+    EXPECT_TRUE(early_behind) << "with update_behind, step() returns before its update has ended";
+    ASSERT_EQ(inside.size(), 3u);
+    ASSERT_EQ(behind.size(), inside.size());
+    for (size_t u = 0; u < inside.size(); ++u) {
+      ASSERT_EQ(behind[u].size(), inside[u].size());
+      EXPECT_EQ(std::memcmp(behind[u].data(), inside[u].data(), inside[u].size() * 4), 0)
+          << "unit " << u;
     }
-    EXPECT_TRUE((*engine)->wait_for_update().is_ok());
-    EXPECT_EQ((*engine)->update_ends().size(), 4u) << "one entry per step() once waited for";
-    std::vector<std::vector<float>> params;
-    for (size_t u = 0; u < (*engine)->unit_count(); ++u) {
-      auto p = (*engine)->full_parameters(u);
-      EXPECT_TRUE(p.is_ok());
-      if (p.is_ok()) params.push_back(std::move(p).value());
-    }
-    return params;
-  };
-  bool early_inside = false, early_behind = false;
-  const auto inside = run(false, &early_inside);
-  const auto behind = run(true, &early_behind);
-  EXPECT_FALSE(early_inside) << "without update_behind, step() returns after its update";
-  EXPECT_TRUE(early_behind) << "with update_behind, step() returns before its update has ended";
-  ASSERT_EQ(inside.size(), 3u);
-  ASSERT_EQ(behind.size(), inside.size());
-  for (size_t u = 0; u < inside.size(); ++u) {
-    ASSERT_EQ(behind[u].size(), inside[u].size());
-    EXPECT_EQ(std::memcmp(behind[u].data(), inside[u].data(), inside[u].size() * 4), 0)
-        << "unit " << u;
   }
 }
 
 // With the optimizer state on NVMe and the update behind step(), the backward pass reads the
 // walk's first groups ahead from its start, before their units' gradients exist. Their gradient
 // accumulators are then zero (acc_zero) and the pass overwrites them: reading their home's old
-// bytes was a wasted read (4 bytes per parameter beside m and v's 8, every step). Now a step reads
-// m and v once (the traffic minimum for this placement) and nothing else.
+// bytes was a wasted read (4 bytes per parameter beside m and v's 8, every step). Here the host
+// budget lets the backward pass read 10 of the walk's 20 groups ahead, with no room to keep state
+// from one walk to the next: a step reads m and v once (partly during the pass, the rest in the
+// walk) and writes them once, and reads nothing else (the shards stay in memory).
 TEST(Schedule, TheReadAheadReadsNoAccumulatorThePassWillOverwrite) {
   zinf::testing::TempDir nvme;
   const MlpShape shape{.dims = {32, 256, 256, 8}};
   EngineSettings s = stage3();  // clipping at 0.5: the update waits for the norm
+  s.param_home = Tier::kNvme;
   s.optimizer_home = Tier::kNvme;
   s.nvme_paths = {nvme.path()};
   s.sub_group_elements = 4096;
-  s.host_mem = 64 << 20;   // room for every group of the walk beside the accumulators
-  s.pipeline_read = true;  // (zinf train's default)
+  s.staging_bytes = 1 << 20;
+  s.staging_buffers = 2;
+  s.host_mem = 10'000'000;  // beside the staging: 10 of the 20 groups ahead, no state kept
+  s.pipeline_read = true;   // (zinf train's default)
   auto group = comm::make_local_group(1).value();
   auto engine = Engine::create(s, *group[0], testing::mlp_units(shape), testing::mlp_init).value();
-  const NvmeTraffic least = engine->nvme_traffic_minimum();
-  ASSERT_GT(least.read_bytes, 0u);
-  EXPECT_EQ(least.gradient_spill_bytes, 0u) << "the host budget holds every accumulator";
   const std::vector<uint64_t> samples = {0, 1};
-  uint64_t before = 0;
   for (int step = 0; step < 5; ++step) {
+    const StoreStats start = engine->store_stats();
     ASSERT_TRUE(testing::mlp_micro_step(*engine, shape, samples).is_ok());
     ASSERT_TRUE(engine->step().is_ok());
     ASSERT_TRUE(engine->wait_for_update().is_ok());
-    const uint64_t read = engine->store_stats().bytes_nvme_read;
-    // Exactly the minimum: m and v of every piece once (step 0, before any read-ahead, too).
-    EXPECT_EQ(read - before, least.read_bytes) << "step " << step;
-    before = read;
+    const StoreStats end = engine->store_stats();
+    if (step < 2) continue;  // the trace is recorded, then followed
+    // (Reading the accumulators ahead as well, the steps read 667648 bytes here.)
+    const uint64_t read = end.bytes_nvme_read - start.bytes_nvme_read;
+    const uint64_t written = end.bytes_nvme_written - start.bytes_nvme_written;
+    EXPECT_GT(written, 0u) << "step " << step;
+    EXPECT_EQ(read, written) << "step " << step << ": m and v once each way, nothing else";
   }
 }
 
 // The shards the walk behind step() keeps for the next forward pass (the host budget has room
-// beyond the accumulators) stay in memory unwritten: with every shard fitting, a step writes m
-// and v and no parameter (until 2026-12-07 each kept shard was written back as well, 4 bytes per
-// parameter every step), reads only m and v, and ends on the bits of the update inside step().
+// beyond the accumulators) stay in memory unwritten, and so does the optimizer state it keeps for
+// the next walk (the room beyond those shards): with everything fitting, a step after the first
+// two moves nothing to or from NVMe (until 2026-12-07, fourth session, each kept shard was written
+// back as well, 4 bytes per parameter every step; until the fifth, m and v were written and read
+// back every step, 16), and ends on the bits of the update inside step().
 TEST(Schedule, ShardsKeptForTheNextPassAreNotWrittenBack) {
   const MlpShape shape{.dims = {32, 256, 256, 8}};
   auto run = [&](bool behind, std::vector<uint64_t>* written, std::vector<uint64_t>* read,
@@ -464,11 +478,12 @@ TEST(Schedule, ShardsKeptForTheNextPassAreNotWrittenBack) {
   ASSERT_EQ(w_behind.size(), 5u);
   ASSERT_EQ(w_in.size(), 5u);
   for (int step = 2; step < 5; ++step) {
-    // Inside step() every updated shard is written back (and read again by the next pass);
-    // behind it, a step moves m and v, once each way, and nothing else.
-    EXPECT_EQ(w_behind[step] + param_bytes, w_in[step]) << "step " << step;
-    EXPECT_EQ(r_behind[step], w_behind[step]) << "step " << step;
-    EXPECT_GT(r_in[step], r_behind[step]) << "step " << step;
+    // Inside step() every updated shard and its state are written back (and read again);
+    // behind it, nothing moves.
+    EXPECT_GT(w_in[step], param_bytes) << "step " << step;
+    EXPECT_GT(r_in[step], param_bytes) << "step " << step;
+    EXPECT_EQ(w_behind[step], 0u) << "step " << step;
+    EXPECT_EQ(r_behind[step], 0u) << "step " << step;
   }
   ASSERT_EQ(behind.size(), inside.size());
   ASSERT_EQ(inside.size(), 3u);

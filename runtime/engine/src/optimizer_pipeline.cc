@@ -110,19 +110,23 @@ void OptimizerPipeline::set_plan(const sched::SubGroupPlan& plan, uint64_t accum
   // unless homed there (update_piece() acquires the unit's tensor).
   const uint64_t state_per_element = e_.s.optimizer_home == Tier::kHost ? 0 : (e_.mixed ? 12 : 8);
   const bool params_read = e_.policy.sharded_params && e_.s.param_home != Tier::kHost;
-  uint64_t largest_read = 0;
-  for (const auto& g : groups_) {
+  uint64_t largest_read = 0, all_params = 0;
+  group_state_bytes_.assign(groups_.size(), 0);
+  for (size_t g = 0; g < groups_.size(); ++g) {
     uint64_t bytes = 0;
     size_t last_unit = SIZE_MAX;
-    for (size_t pi : g) {
+    for (size_t pi : groups_[g]) {
       const sched::Piece& piece = plan.pieces[pi];
-      bytes += piece.range.size() * state_per_element;
+      group_state_bytes_[g] += piece.range.size() * state_per_element;
       if (params_read && piece.unit != last_unit) {  // (a group's pieces are consecutive)
-        bytes +=
+        const uint64_t pb =
             e_.policy.param_elements(e_.unit_states[piece.unit].layout) * dtype_size(e_.s.dtype);
+        bytes += pb;
+        all_params += pb;
       }
       last_unit = piece.unit;
     }
+    bytes += group_state_bytes_[g];
     largest_read = std::max(largest_read, bytes);
   }
   // What the host budget holds anyway by the end of the backward pass: the state homed there
@@ -136,6 +140,11 @@ void OptimizerPipeline::set_plan(const sched::SubGroupPlan& plan, uint64_t accum
   groups_read_during_backward_ = e_.s.pipeline_read && largest_read > 0 && held < e_.s.host_mem
                                      ? (e_.s.host_mem - held) / largest_read
                                      : 0;
+  // Behind step() the walk keeps every unit's parameters for the next forward pass; the state it
+  // may keep besides for the next walk (Keep::state_ranks) is what fits beside those and the
+  // above.
+  const uint64_t held_with_params = held + all_params;
+  state_room_ = held_with_params < e_.s.host_mem ? e_.s.host_mem - held_with_params : 0;
 }
 
 float OptimizerPipeline::combined_scale() const {
@@ -361,6 +370,17 @@ bool OptimizerPipeline::updates_behind() const {
          e_.s.optimizer_home != Tier::kDevice;
 }
 
+size_t OptimizerPipeline::state_ranks_that_fit() const {
+  if (!e_.s.pipeline_read) return 0;
+  uint64_t used = 0;
+  size_t r = 0;
+  for (; r < walk_.size(); ++r) {
+    used += group_state_bytes_[walk_[r]];
+    if (used > state_room_) break;
+  }
+  return r;
+}
+
 void OptimizerPipeline::start_behind(const kernels::AdamStepArgs& args) {
   if (!worker_) worker_ = std::make_unique<OptimizerWorker>();
   // In plan_walk()'s order. The parameters are kept for the next forward pass (at that step's
@@ -372,7 +392,11 @@ void OptimizerPipeline::start_behind(const kernels::AdamStepArgs& args) {
   Keep keep;
   if (groups_read_during_backward_ > 0 && e_.sched->following() &&
       first_use_.size() == e_.unit_states.size()) {
-    keep = {.params = true, .tick = static_cast<uint64_t>(e_.steps + 1) * e_.sched->trace().size()};
+    const uint64_t trace = e_.sched->trace().size();
+    keep = {.params = true,
+            .tick = static_cast<uint64_t>(e_.steps + 1) * trace,
+            .state_ranks = state_ranks_that_fit(),
+            .trace_length = trace};
   }
   std::vector<std::vector<size_t>> todo;
   std::vector<size_t> left(e_.unit_states.size(), 0);
@@ -600,9 +624,18 @@ Status OptimizerPipeline::update_piece(size_t pi, const kernels::AdamStepArgs& a
   const bool unit_done =
       std::all_of(st.pieces.begin(), st.pieces.end(), [&](size_t q) { return updated_[q]; });
   if (tier != Tier::kDevice) {
-    e_.release_offloaded(p.m, st.opt_home, tier);
-    e_.release_offloaded(p.v, st.opt_home, tier);
-    if (mixed) e_.release_offloaded(p.master, st.opt_home, tier);
+    if (pi < walk_rank_.size() && walk_rank_[pi] < keep.state_ranks) {
+      // The next backward pass would read this state ahead for the next walk: it stays here
+      // instead, dirty (written out only if the store needs its room, farthest next use first).
+      const uint64_t next = keep.tick + keep.trace_length + walk_rank_[pi];
+      for (TensorId id : {p.m, p.v, p.master}) {
+        if (id != kNoTensor) e_.store->set_next_use(id, next);
+      }
+    } else {
+      e_.release_offloaded(p.m, st.opt_home, tier);
+      e_.release_offloaded(p.v, st.opt_home, tier);
+      if (mixed) e_.release_offloaded(p.master, st.opt_home, tier);
+    }
     if (p.owns_acc || unit_done) {
       // The gradient is spent: the next step overwrites the accumulator (acc_zero), so its copy
       // here goes without being written back. A copy the store is still moving is left to it;

@@ -35,12 +35,17 @@ namespace zinf::engine_detail {
 
 class OptimizerWorker;
 
-// A walk's unit parameters, once the unit's pieces are done: with `params`, written back and kept
-// in memory for the next forward pass, whose use comes at `tick` + the unit's first use in the
-// trace (update_behind); otherwise written back and dropped.
+// What a walk keeps in memory after an update (update_behind). With `params`, a unit's parameters,
+// once its pieces are done, stay for the next forward pass, whose use comes at `tick` + the unit's
+// first use in the trace; otherwise they are written back and dropped. The optimizer state (m, v,
+// a mixed master) of the pieces in the walk's first `state_ranks` groups stays too, dirty, for
+// the next walk, at `tick` + the trace's length + the group's rank: those are the groups the next
+// backward pass would read ahead, so they are neither written nor read in between.
 struct Keep {
   bool params = false;
   uint64_t tick = 0;
+  size_t state_ranks = 0;
+  uint64_t trace_length = 0;
 };
 
 class OptimizerPipeline {
@@ -134,6 +139,9 @@ class OptimizerPipeline {
   // The copies update_piece() acquires for piece `pi`, in its order.
   void append_reads(size_t pi, std::vector<std::pair<TensorId, Tier>>& reads);
   void read_ahead();
+  // How many of the walk's first groups have their optimizer state kept for the next walk: those
+  // whose state fits, in walk order, in the host room left beside the kept parameters (set_plan).
+  size_t state_ranks_that_fit() const;
   void start_early_update(size_t u);
   Status zero(const TensorHandle& h);
 
@@ -142,6 +150,8 @@ class OptimizerPipeline {
   std::vector<std::vector<size_t>> groups_;  // sub-groups of pieces, in declaration order
   std::vector<size_t> walk_;                 // the order step() walks the groups in
   std::vector<size_t> walk_rank_;            // per piece, its group's place in walk_
+  std::vector<uint64_t> group_state_bytes_;  // per group, the host bytes of m, v (and master)
+  uint64_t state_room_ = 0;  // host room for state kept across a step (see set_plan())
   void rank_walk();
   size_t walk_prefetched_ = 0;  // groups of walk_ whose state was read ahead during backward
   // How many groups' state is read during the backward pass: as many as fit beside the
