@@ -153,15 +153,18 @@ struct RunResult {
 };
 
 // Whether two runs ended on bit-identical parameters (every element of every unit).
-inline bool same_bits(const RunResult& a, const RunResult& b) {
-  if (a.params.empty() || a.params.size() != b.params.size()) return false;
-  for (size_t u = 0; u < a.params.size(); ++u) {
-    if (a.params[u].size() != b.params[u].size() ||
-        std::memcmp(a.params[u].data(), b.params[u].data(), a.params[u].size() * 4) != 0) {
+inline bool same_bits(const std::vector<std::vector<float>>& a,
+                      const std::vector<std::vector<float>>& b) {
+  if (a.empty() || a.size() != b.size()) return false;
+  for (size_t u = 0; u < a.size(); ++u) {
+    if (a[u].size() != b[u].size() || std::memcmp(a[u].data(), b[u].data(), a[u].size() * 4) != 0) {
       return false;
     }
   }
   return true;
+}
+inline bool same_bits(const RunResult& a, const RunResult& b) {
+  return same_bits(a.params, b.params);
 }
 
 // Trains `steps` steps on `world` local ranks: each step, each rank runs
