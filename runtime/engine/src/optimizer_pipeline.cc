@@ -625,8 +625,8 @@ Status OptimizerPipeline::update_piece(size_t pi, const kernels::AdamStepArgs& a
       std::all_of(st.pieces.begin(), st.pieces.end(), [&](size_t q) { return updated_[q]; });
   if (tier != Tier::kDevice) {
     if (pi < walk_rank_.size() && walk_rank_[pi] < keep.state_ranks) {
-      // The next backward pass would read this state ahead for the next walk: it stays here
-      // instead, dirty (written out only if the store needs its room, farthest next use first).
+      // The next walk needs this state first: it stays here, dirty, rather than being written now
+      // and read back (written out only if the store needs its room, farthest next use first).
       const uint64_t next = keep.tick + keep.trace_length + walk_rank_[pi];
       for (TensorId id : {p.m, p.v, p.master}) {
         if (id != kNoTensor) e_.store->set_next_use(id, next);

@@ -546,8 +546,9 @@ struct TieredTensorStore::Impl {
       return Status::ok();
     }
     d.valid = true;
-    // Awaiting use until acquired, also when an acquire waits for it: it takes the copy only once
-    // woken, and meanwhile another mover's prefetch must not evict it (it would be read twice).
+    // Awaiting use until acquired, also when an acquire waits for it: that acquire takes the copy
+    // only once woken, and meanwhile a prefetch (this mover's ordered list going on to its next
+    // copy, say) must not evict it: it would be read twice.
     d.awaiting = true;
     d.last_use = ++clock;  // its arrival (see pick_victim())
     return Status::ok();

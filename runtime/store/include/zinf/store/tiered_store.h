@@ -25,9 +25,9 @@
 //    kHost) copies that are not pinned are dropped: clean ones first, dirty ones after being
 //    written back to their home; copies that a move brought and nobody has acquired since
 //    ("awaiting use": read ahead, or landed for an acquire not yet awake) after the other clean
-//    ones; within each kind by farthest next use
-//    (set_next_use) when known, least recently used otherwise. Nothing pinned is ever evicted; if
-//    everything is, acquire fails with kOutOfMemory naming the tensor, the tier and the budget.
+//    ones; within each kind by farthest next use (set_next_use) when known, least recently used
+//    otherwise. Nothing pinned is ever evicted; if everything is, acquire fails with
+//    kOutOfMemory naming the tensor, the tier and the budget.
 //    A prefetch never evicts a copy awaiting use (prefetches are issued in the order of use, so
 //    that copy is needed before the one being fetched: evicting it only reads it twice), and with
 //    PrefetchRoom::kCleanOnly it evicts no dirty copy either (no write-back on its account).
