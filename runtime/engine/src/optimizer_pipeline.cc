@@ -371,7 +371,6 @@ bool OptimizerPipeline::updates_behind() const {
 }
 
 size_t OptimizerPipeline::state_ranks_that_fit() const {
-  if (!e_.s.pipeline_read) return 0;
   uint64_t used = 0;
   size_t r = 0;
   for (; r < walk_.size(); ++r) {
@@ -396,7 +395,7 @@ void OptimizerPipeline::start_behind(const kernels::AdamStepArgs& args) {
     keep = {.params = true,
             .tick = static_cast<uint64_t>(e_.steps + 1) * trace,
             .state_ranks = state_ranks_that_fit(),
-            .trace_length = trace};
+            .state_tick = static_cast<uint64_t>(e_.steps + 2) * trace};
   }
   std::vector<std::vector<size_t>> todo;
   std::vector<size_t> left(e_.unit_states.size(), 0);
@@ -627,9 +626,8 @@ Status OptimizerPipeline::update_piece(size_t pi, const kernels::AdamStepArgs& a
     if (pi < walk_rank_.size() && walk_rank_[pi] < keep.state_ranks) {
       // The next walk needs this state first: it stays here, dirty, rather than being written now
       // and read back (written out only if the store needs its room, farthest next use first).
-      const uint64_t next = keep.tick + keep.trace_length + walk_rank_[pi];
       for (TensorId id : {p.m, p.v, p.master}) {
-        if (id != kNoTensor) e_.store->set_next_use(id, next);
+        if (id != kNoTensor) e_.store->set_next_use(id, keep.state_tick + walk_rank_[pi]);
       }
     } else {
       e_.release_offloaded(p.m, st.opt_home, tier);

@@ -39,13 +39,14 @@ class OptimizerWorker;
 // once its pieces are done, stay for the next forward pass, whose use comes at `tick` + the unit's
 // first use in the trace; otherwise they are written back and dropped. The optimizer state (m, v,
 // a mixed master) of the pieces in the walk's first `state_ranks` groups stays too, dirty, for
-// the next walk, at `tick` + the trace's length + the group's rank: it is neither written now nor
-// read back (by the next backward pass's read-ahead, or by the walk) in between.
+// the next walk, at `state_tick` (that walk's, as record_sums() sets its accumulators') + the
+// group's rank: it is neither written now nor read back (by the next backward pass's read-ahead,
+// or by the walk) in between.
 struct Keep {
   bool params = false;
   uint64_t tick = 0;
   size_t state_ranks = 0;
-  uint64_t trace_length = 0;
+  uint64_t state_tick = 0;
 };
 
 class OptimizerPipeline {
