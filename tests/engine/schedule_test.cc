@@ -399,7 +399,9 @@ TEST(Schedule, TheUpdateBehindStepKeepsTheBits) {
 // bytes was a wasted read (4 bytes per parameter beside m and v's 8, every step). Here the host
 // budget lets the backward pass read 10 of the walk's 20 groups ahead, with no room to keep state
 // from one walk to the next: a step reads m and v once (partly during the pass, the rest in the
-// walk) and writes them once, and reads nothing else (the shards stay in memory).
+// walk) and writes them once, and reads nothing else (the shards stay in memory). The device
+// budget holds one unit at a time: with room for all three the shards would stay on the device
+// between passes, and their host room would keep every group's state (no reads at all).
 TEST(Schedule, TheReadAheadReadsNoAccumulatorThePassWillOverwrite) {
   zinf::testing::TempDir nvme;
   const MlpShape shape{.dims = {32, 256, 256, 8}};
@@ -407,6 +409,7 @@ TEST(Schedule, TheReadAheadReadsNoAccumulatorThePassWillOverwrite) {
   s.staging_bytes = 1 << 20;
   s.staging_buffers = 2;
   s.host_mem = 10'000'000;  // beside the staging: 10 of the 20 groups ahead, no state kept
+  s.device_mem = 768 << 10;  // the working set of the largest unit (2 x 263 KB) and 260 KB
   s.pipeline_read = true;   // (zinf train's default)
   auto group = comm::make_local_group(1).value();
   auto engine = Engine::create(s, *group[0], testing::mlp_units(shape), testing::mlp_init).value();
@@ -479,6 +482,57 @@ TEST(Schedule, ShardsKeptForTheNextPassAreNotWrittenBack) {
   }
   ASSERT_EQ(inside.size(), 3u);
   EXPECT_TRUE(same_bits(behind, inside));
+}
+
+// With room on the device for every unit at once (the scheduler's live bound), the walk behind
+// step() leaves each unit's shard on the device between passes and takes it back from there; its
+// host copy, clean once the pass has gathered it, gives its room to the optimizer state the walk
+// keeps for the next walk. Here (11 units, 4.8 MB of m and v, a 14.5 MB host budget of which 6.3
+// MB is staging) that room keeps every group's state: a step after the first two moves nothing
+// to or from NVMe. With the device holding one unit at a time the shards take that room, and
+// steps move m and v of the groups that do not fit (until 2026-12-07, sixth session, every run
+// did). Both end on the bits of the update inside step().
+TEST(Schedule, ShardsLeftOnTheDeviceGiveTheirHostRoomToTheState) {
+  const MlpShape shape{.dims = {32, 256, 256, 256, 256, 256, 256, 256, 256, 256, 256, 8}};
+  auto run = [&](bool behind, uint64_t device_mem, std::vector<uint64_t>* moved) {
+    zinf::testing::TempDir nvme;
+    EngineSettings s = stage3_on_nvme(nvme.path());  // clipping at 0.5
+    s.staging_bytes = 1 << 20;
+    s.staging_buffers = 2;
+    s.host_mem = 14'500'000;
+    s.device_mem = device_mem;  // 0: automatic (every unit fits)
+    s.pipeline_read = true;
+    s.update_behind = behind;
+    auto group = comm::make_local_group(1).value();
+    auto engine = Engine::create(s, *group[0], testing::mlp_units(shape), testing::mlp_init);
+    EXPECT_TRUE(engine.is_ok()) << engine.status().to_string();
+    if (!engine.is_ok()) return std::vector<std::vector<float>>{};
+    const std::vector<uint64_t> samples = {0, 1};
+    uint64_t before = 0;
+    for (int step = 0; step < 5; ++step) {
+      EXPECT_TRUE(testing::mlp_micro_step(**engine, shape, samples).is_ok());
+      EXPECT_TRUE((*engine)->step().is_ok());
+      EXPECT_TRUE((*engine)->wait_for_update().is_ok());
+      const StoreStats st = (*engine)->store_stats();
+      moved->push_back(st.bytes_nvme_read + st.bytes_nvme_written - before);
+      before = st.bytes_nvme_read + st.bytes_nvme_written;
+    }
+    return all_parameters(**engine);
+  };
+  std::vector<uint64_t> inside_moved, on_device, one_unit;
+  const auto inside = run(false, 0, &inside_moved);
+  const auto left = run(true, 0, &on_device);
+  // The working set of the largest unit (2 x 263 KB) and 260 KB: one unit live at a time.
+  const auto taken = run(true, 768 << 10, &one_unit);
+  ASSERT_EQ(on_device.size(), 5u);
+  ASSERT_EQ(one_unit.size(), 5u);
+  for (int step = 2; step < 5; ++step) {
+    EXPECT_EQ(on_device[step], 0u) << "step " << step;
+    EXPECT_GT(one_unit[step], 0u) << "step " << step;
+  }
+  ASSERT_EQ(inside.size(), shape.dims.size() - 1);
+  EXPECT_TRUE(same_bits(left, inside));
+  EXPECT_TRUE(same_bits(taken, inside));
 }
 
 // A read error in the update behind step(): step() has returned, so the failure comes with the

@@ -181,6 +181,11 @@ class Builder {
             .max_reuse_distance = s.max_reuse_distance,
             .reads_in_live_room = e.world == 1},
         unit_elements);
+    uint64_t total_unit_elements = 0;
+    for (uint64_t n : unit_elements) total_unit_elements += n;
+    e.device_holds_all_params = e.world == 1 && e.policy.sharded_params &&
+                                s.param_home != Tier::kDevice &&
+                                e.sched->options().max_live_elements >= total_unit_elements;
 
     // Optimizer sub-groups over the ranges this rank owns.
     std::vector<std::vector<sched::ElementRange>> owned;

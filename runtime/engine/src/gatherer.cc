@@ -158,7 +158,11 @@ void Gatherer::drop(size_t u) {
   st.gathered.reset();
   if (st.shard_view) {
     st.shard_view.release();
-    e_.release_offloaded(st.params, e_.s.param_home, Tier::kDevice);
+    if (optimizer_.params_stay_on_device()) {
+      e_.store->set_next_use(st.params, optimizer_.next_walk_tick(u));
+    } else {
+      e_.release_offloaded(st.params, e_.s.param_home, Tier::kDevice);
+    }
   }
   e_.sched->set_live(u, false);
 }

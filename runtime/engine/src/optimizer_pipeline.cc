@@ -142,8 +142,11 @@ void OptimizerPipeline::set_plan(const sched::SubGroupPlan& plan, uint64_t accum
                                      : 0;
   // Behind step() the walk keeps every unit's parameters for the next forward pass; the state it
   // may keep besides for the next walk (Keep::state_ranks) is what fits beside those and the
-  // above.
-  const uint64_t held_with_params = held + all_params;
+  // above. When the parameters stay on the device between passes (params_stay_on_device()),
+  // their host copies are clean once gathered and give way: only the two the walk works on
+  // count.
+  const uint64_t held_with_params =
+      held + (params_stay_on_device() ? e_.sizes.cpu_update_bytes : all_params);
   state_room_ = held_with_params < e_.s.host_mem ? e_.s.host_mem - held_with_params : 0;
 }
 
@@ -370,6 +373,16 @@ bool OptimizerPipeline::updates_behind() const {
          e_.s.optimizer_home != Tier::kDevice;
 }
 
+bool OptimizerPipeline::params_stay_on_device() const {
+  return e_.device_holds_all_params && updates_behind();
+}
+
+uint64_t OptimizerPipeline::next_walk_tick(size_t u) const {
+  const uint64_t trace = e_.sched->trace().size();
+  const uint64_t next = static_cast<uint64_t>(e_.steps + 1) * trace;
+  return u < first_use_.size() ? next + first_use_[u] : next + trace;
+}
+
 size_t OptimizerPipeline::state_ranks_that_fit() const {
   uint64_t used = 0;
   size_t r = 0;
@@ -519,9 +532,11 @@ void OptimizerPipeline::read_ahead() {
     ++walk_prefetched_;
   }
   if (walk_prefetched_ == 0) return;
+  // Parameters that stay on the device come back to the host at the walk: the pass is using them.
+  const bool with_params = !params_stay_on_device();
   std::vector<std::pair<TensorId, Tier>> reads;
   for (size_t r = 0; r < walk_prefetched_; ++r) {
-    for (size_t pi : groups_[walk_[r]]) append_reads(pi, reads);
+    for (size_t pi : groups_[walk_[r]]) append_reads(pi, reads, with_params);
   }
   e_.store->prefetch_in_order(std::move(reads), PrefetchRoom::kCleanOnly);
 }
@@ -668,7 +683,8 @@ void OptimizerPipeline::prefetch_piece(size_t pi, PrefetchRoom room) {
   }
 }
 
-void OptimizerPipeline::append_reads(size_t pi, std::vector<std::pair<TensorId, Tier>>& reads) {
+void OptimizerPipeline::append_reads(size_t pi, std::vector<std::pair<TensorId, Tier>>& reads,
+                                     bool with_params) {
   const PieceState& p = e_.pieces[pi];
   const UnitState& st = e_.unit_states[p.unit];
   const Tier tier = EngineState::compute_tier(st);
@@ -676,7 +692,8 @@ void OptimizerPipeline::append_reads(size_t pi, std::vector<std::pair<TensorId, 
   // the walk's first groups are read from the backward pass's start) holds nothing: the pass
   // overwrites it (acc_zero), so reading its home's old bytes would be a wasted read.
   const bool acc_dead = st.acc_zero && !st.grads_final;
-  for (TensorId id : {st.params, p.master, p.m, p.v, acc_dead ? kNoTensor : p.acc}) {
+  for (TensorId id :
+       {with_params ? st.params : kNoTensor, p.master, p.m, p.v, acc_dead ? kNoTensor : p.acc}) {
     if (id != kNoTensor) reads.emplace_back(id, tier);  // as update_piece() takes them
   }
 }

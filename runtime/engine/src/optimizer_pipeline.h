@@ -97,6 +97,14 @@ class OptimizerPipeline {
 
   // Whether step() leaves the update walk to run behind it (update_behind and its conditions).
   bool updates_behind() const;
+  // Behind step(), with room on the device for every unit (EngineState::device_holds_all_params):
+  // a unit's device copy stays after the pass's last use until the next walk takes it back to
+  // the host. The host copy, once the pass has the same bytes on the device, is clean: the store
+  // drops it first when the host budget needs room, room the walk's kept state counts on.
+  bool params_stay_on_device() const;
+  // The tick of unit u's update in the next walk behind step(), from the pass of the step being
+  // made (about when the next forward pass first uses u).
+  uint64_t next_walk_tick(size_t u) const;
   // Starts the walk over every piece not yet updated on the worker, with the optimizer's
   // hyperparameters as they are now (set_lr() may change them while it runs).
   void start_behind(const kernels::AdamStepArgs& args);
@@ -138,7 +146,8 @@ class OptimizerPipeline {
   std::vector<size_t> first_use_;  // per unit, its first use in the recorded trace (plan_walk)
   void prefetch_piece(size_t pi, PrefetchRoom room = PrefetchRoom::kAny);
   // The copies update_piece() acquires for piece `pi`, in its order.
-  void append_reads(size_t pi, std::vector<std::pair<TensorId, Tier>>& reads);
+  void append_reads(size_t pi, std::vector<std::pair<TensorId, Tier>>& reads,
+                    bool with_params = true);
   void read_ahead();
   // How many of the walk's first groups have their optimizer state kept for the next walk: those
   // whose state fits, in walk order, in the host room left beside the kept parameters (set_plan).
