@@ -146,6 +146,10 @@ TEST(Offload, SwapFaultIsReportedAndTrainingContinues) {
     s.optimizer_home = Tier::kNvme;
     s.nvme_paths = {nvme.path()};
     s.update_behind = behind;
+    // One unit on the device at a time: with room for all three the shards would stay there
+    // between passes and their host room would keep all the state (nothing written to fail).
+    s.param_persistence_threshold = 0;
+    s.device_mem = 20 << 10;  // a unit (2048 padded parameters) and its gradients, and 4 KiB
     RunResult clean = train_local(s, 1, 4, 2);
     ASSERT_TRUE(clean.status.is_ok()) << clean.status.to_string();
 

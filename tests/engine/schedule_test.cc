@@ -535,6 +535,99 @@ TEST(Schedule, ShardsLeftOnTheDeviceGiveTheirHostRoomToTheState) {
   EXPECT_TRUE(same_bits(taken, inside));
 }
 
+// The walk behind step() runs under the next forward pass; the backward pass after it leaves the
+// disk idle. So the state of the walk's last groups, past those kept for the next walk, stays
+// dirty in the room the spent accumulators leave, and is written during that backward pass (the
+// first final gradient starts it). Here (the 11-unit MLP, 156 groups, an 11 MB host budget: 55
+// groups kept, 77 left for the pass) a step writes part of m and v while the walk runs and part
+// between the walk's end and the next step() (until 2026-12-07, sixth session, every write came
+// during the walk), and the run ends on the bits of the update inside step(). (The test waits for
+// each walk before the next pass, whose gathers would otherwise make the updated shards clean as
+// the walk goes: their dirty host copies then take room the walk meant for that state, so most
+// of it is still written during the walk, to make room.)
+TEST(Schedule, TheWalksLastStateIsWrittenDuringTheBackwardPass) {
+  const MlpShape shape{.dims = {32, 256, 256, 256, 256, 256, 256, 256, 256, 256, 256, 8}};
+  auto run = [&](bool behind, std::vector<uint64_t>* in_walk, std::vector<uint64_t>* in_pass) {
+    zinf::testing::TempDir nvme;
+    EngineSettings s = stage3_on_nvme(nvme.path());  // clipping at 0.5
+    s.staging_bytes = 1 << 20;
+    s.staging_buffers = 2;
+    s.host_mem = 11'000'000;
+    s.pipeline_read = true;
+    s.update_behind = behind;
+    auto group = comm::make_local_group(1).value();
+    auto engine = Engine::create(s, *group[0], testing::mlp_units(shape), testing::mlp_init);
+    EXPECT_TRUE(engine.is_ok()) << engine.status().to_string();
+    if (!engine.is_ok()) return std::vector<std::vector<float>>{};
+    const std::vector<uint64_t> samples = {0, 1};
+    uint64_t walk_end = 0;
+    for (int step = 0; step < 5; ++step) {
+      EXPECT_TRUE(testing::mlp_micro_step(**engine, shape, samples).is_ok());
+      EXPECT_TRUE((*engine)->step().is_ok());  // waits for the last walk's write-backs
+      const uint64_t step_end = (*engine)->store_stats().bytes_nvme_written;
+      EXPECT_TRUE((*engine)->wait_for_update().is_ok());
+      const uint64_t now = (*engine)->store_stats().bytes_nvme_written;
+      in_pass->push_back(step_end - walk_end);  // the pass since the last walk ended
+      in_walk->push_back(now - step_end);
+      walk_end = now;
+    }
+    return all_parameters(**engine);
+  };
+  std::vector<uint64_t> walk_inside, pass_inside, in_walk, in_pass;
+  const auto inside = run(false, &walk_inside, &pass_inside);
+  const auto behind = run(true, &in_walk, &in_pass);
+  ASSERT_EQ(in_walk.size(), 5u);
+  for (int step = 2; step < 5; ++step) {
+    EXPECT_GT(in_walk[step], 0u) << "step " << step;
+    EXPECT_GT(in_pass[step], 0u) << "step " << step;
+  }
+  ASSERT_EQ(inside.size(), shape.dims.size() - 1);
+  EXPECT_TRUE(same_bits(behind, inside));
+}
+
+// A write error in the backward pass's write-behind (the test above's settings): the pass goes on,
+// the next step() reports the failure naming the tensor and the swap file, and the copy stays
+// valid in memory, dirty: the run ends on the bits of a run without the fault.
+TEST(Schedule, AFailedWriteBehindIsReportedByTheNextStepAndLosesNothing) {
+  const MlpShape shape{.dims = {32, 256, 256, 256, 256, 256, 256, 256, 256, 256, 256, 8}};
+  auto run = [&](bool fault) {
+    zinf::testing::TempDir nvme;
+    EngineSettings s = stage3_on_nvme(nvme.path());  // clipping at 0.5
+    s.staging_bytes = 1 << 20;
+    s.staging_buffers = 2;
+    s.host_mem = 11'000'000;
+    s.pipeline_read = true;
+    auto group = comm::make_local_group(1).value();
+    auto engine = Engine::create(s, *group[0], testing::mlp_units(shape), testing::mlp_init);
+    EXPECT_TRUE(engine.is_ok()) << engine.status().to_string();
+    if (!engine.is_ok()) return std::vector<std::vector<float>>{};
+    const std::vector<uint64_t> samples = {0, 1};
+    int failed = 0;
+    for (int step = 0; step < 5; ++step) {
+      if (fault && step == 3) {  // the pass's write-behind is the first write from here on
+        io::FaultInjector::global().add(
+            {.op = io::IoOp::kWrite, .nth = 1, .kind = io::FaultKind::kEio});
+      }
+      EXPECT_TRUE(testing::mlp_micro_step(**engine, shape, samples).is_ok()) << "step " << step;
+      io::FaultInjector::global().clear();
+      Status st = (*engine)->step();
+      if (!st.is_ok()) {
+        ++failed;
+        EXPECT_EQ(step, 3) << st.to_string();
+        EXPECT_NE(st.message().find("writing tensor layer"), std::string::npos) << st.message();
+        EXPECT_NE(st.message().find("swap-"), std::string::npos) << st.message();
+      }
+      EXPECT_TRUE((*engine)->wait_for_update().is_ok()) << "step " << step;
+    }
+    EXPECT_EQ(failed, fault ? 1 : 0);
+    return all_parameters(**engine);
+  };
+  const auto clean = run(false);
+  const auto faulted = run(true);
+  ASSERT_EQ(clean.size(), shape.dims.size() - 1);
+  EXPECT_TRUE(same_bits(faulted, clean));
+}
+
 // A read error in the update behind step(): step() has returned, so the failure comes with the
 // next call that needs the update: a gather of a unit the walk did not reach (the first read
 // fails) or wait_for_update() (the 20th). It names the swap file; the engine refuses to go on

@@ -184,6 +184,13 @@ struct EngineState {
       evictions_.push_back(std::move(f));
     }
   }
+  // Writes the copy in `where` back to its home, keeping it (clean) for a use soon (on the store's
+  // movers; finish_evictions() reports a failure).
+  void write_back_offloaded(TensorId id, Tier where) {
+    auto f = store->write_back_async(id, where);
+    std::lock_guard lk(evictions_mu_);
+    evictions_.push_back(std::move(f));
+  }
   // The tensor's contents are dead (a gradient accumulator after its update): its copy in
   // `where` goes without a write-back to its home.
   Status discard_offloaded(TensorId id, Tier home, Tier where) {

@@ -107,9 +107,11 @@ void OptimizerPipeline::set_plan(const sched::SubGroupPlan& plan, uint64_t accum
   rank_walk();
   // Bytes a group's read-ahead brings into the host budget: m, v and the fp32 master (mixed) of
   // its pieces unless they live there, and the whole parameter tensor of each of its units
-  // unless homed there (update_piece() acquires the unit's tensor).
+  // unless homed there (update_piece() acquires the unit's tensor) or left on the device between
+  // passes (the walk takes it from there: read_ahead() does not ask for it).
   const uint64_t state_per_element = e_.s.optimizer_home == Tier::kHost ? 0 : (e_.mixed ? 12 : 8);
-  const bool params_read = e_.policy.sharded_params && e_.s.param_home != Tier::kHost;
+  const bool params_read = e_.policy.sharded_params && e_.s.param_home != Tier::kHost &&
+                           !params_stay_on_device();
   uint64_t largest_read = 0, all_params = 0;
   group_state_bytes_.assign(groups_.size(), 0);
   for (size_t g = 0; g < groups_.size(); ++g) {
@@ -136,10 +138,13 @@ void OptimizerPipeline::set_plan(const sched::SubGroupPlan& plan, uint64_t accum
                         e_.staging_total;
   // As many groups as fit beside that, each counted as the largest: the state the backward pass
   // reads ahead is then not evicted by the accumulators it fills afterwards (which would read it
-  // twice).
-  groups_read_during_backward_ = e_.s.pipeline_read && largest_read > 0 && held < e_.s.host_mem
-                                     ? (e_.s.host_mem - held) / largest_read
-                                     : 0;
+  // twice). Parameters left on the device come back to the host at the walk's start, two at a
+  // time, into room taken off here too (or the walk's first copies evict the last group read).
+  const uint64_t ahead_held = held + (params_stay_on_device() ? e_.sizes.cpu_update_bytes : 0);
+  groups_read_during_backward_ =
+      e_.s.pipeline_read && largest_read > 0 && ahead_held < e_.s.host_mem
+          ? (e_.s.host_mem - ahead_held) / largest_read
+          : 0;
   // Behind step() the walk keeps every unit's parameters for the next forward pass; the state it
   // may keep besides for the next walk (Keep::state_ranks) is what fits beside those and the
   // above. When the parameters stay on the device between passes (params_stay_on_device()),
@@ -148,6 +153,16 @@ void OptimizerPipeline::set_plan(const sched::SubGroupPlan& plan, uint64_t accum
   const uint64_t held_with_params =
       held + (params_stay_on_device() ? e_.sizes.cpu_update_bytes : all_params);
   state_room_ = held_with_params < e_.s.host_mem ? e_.s.host_mem - held_with_params : 0;
+  // By the walk's end every accumulator is spent: the state of its last groups may stay dirty
+  // until the next backward pass (write_behind()) in the room left beside the kept state (taken
+  // off in write_behind_from()), the parameters as above and the next group's reads.
+  const uint64_t largest_state =
+      group_state_bytes_.empty()
+          ? 0
+          : *std::max_element(group_state_bytes_.begin(), group_state_bytes_.end());
+  const uint64_t beside = held_with_params - held + e_.sizes.host_home_bytes + e_.staging_total +
+                          largest_state;
+  write_behind_room_ = beside < e_.s.host_mem ? e_.s.host_mem - beside : 0;
 }
 
 float OptimizerPipeline::combined_scale() const {
@@ -162,6 +177,7 @@ bool OptimizerPipeline::updates_early() const {
 void OptimizerPipeline::on_grads_final(size_t u) {
   UnitState& st = e_.unit_states[u];
   st.grads_final = true;
+  write_behind();
   if (st.final_issued) {
     start_early_update(u);
   } else if (groups_read_during_backward_ > 0) {
@@ -393,22 +409,52 @@ size_t OptimizerPipeline::state_ranks_that_fit() const {
   return r;
 }
 
+size_t OptimizerPipeline::write_behind_from(size_t state_ranks) const {
+  uint64_t kept = 0;
+  for (size_t r = 0; r < std::min(state_ranks, walk_.size()); ++r) {
+    kept += group_state_bytes_[walk_[r]];
+  }
+  if (kept >= write_behind_room_) return walk_.size();
+  uint64_t left = 0;
+  size_t r = walk_.size();
+  while (r > state_ranks && left + group_state_bytes_[walk_[r - 1]] <= write_behind_room_ - kept) {
+    left += group_state_bytes_[walk_[--r]];
+  }
+  return r;
+}
+
+void OptimizerPipeline::write_behind() {
+  std::vector<std::pair<size_t, TensorId>> left;
+  {
+    std::lock_guard lk(write_behind_mu_);
+    if (write_behind_.empty()) return;
+    left.swap(write_behind_);
+  }
+  std::stable_sort(left.begin(), left.end(),
+                   [](const auto& a, const auto& b) { return a.first > b.first; });
+  for (const auto& [rank, id] : left) e_.write_back_offloaded(id, Tier::kHost);
+}
+
 void OptimizerPipeline::start_behind(const kernels::AdamStepArgs& args) {
   if (!worker_) worker_ = std::make_unique<OptimizerWorker>();
+  write_behind();  // what the last walk left, when no backward pass came since
   // In plan_walk()'s order. The parameters are kept for the next forward pass (at that step's
   // ticks: Gatherer::plan_ahead's, once this step is committed) when the step followed the trace
   // (its uses are then known) and the host budget has room beyond every accumulator (it reads
   // groups ahead during the backward pass). Without that room the walk needs it for its own
   // reads: kept copies then made the 2 B-shaped walk twice as slow (docs/offload.md), and the
-  // pass finds most shards still there all the same, since it follows the walk closely.
+  // pass finds most shards still there all the same, since it follows the walk closely. Shards
+  // left on the device between passes are kept whatever the room: the pass's gather makes the
+  // host copy clean (the device's is as new), so it gives way without being written.
   Keep keep;
-  if (groups_read_during_backward_ > 0 && e_.sched->following() &&
+  if ((groups_read_during_backward_ > 0 || params_stay_on_device()) && e_.sched->following() &&
       first_use_.size() == e_.unit_states.size()) {
     const uint64_t trace = e_.sched->trace().size();
     keep = {.params = true,
             .tick = static_cast<uint64_t>(e_.steps + 1) * trace,
             .state_ranks = state_ranks_that_fit(),
             .state_tick = static_cast<uint64_t>(e_.steps + 2) * trace};
+    keep.write_behind_from = write_behind_from(keep.state_ranks);
   }
   std::vector<std::vector<size_t>> todo;
   std::vector<size_t> left(e_.unit_states.size(), 0);
@@ -638,11 +684,20 @@ Status OptimizerPipeline::update_piece(size_t pi, const kernels::AdamStepArgs& a
   const bool unit_done =
       std::all_of(st.pieces.begin(), st.pieces.end(), [&](size_t q) { return updated_[q]; });
   if (tier != Tier::kDevice) {
-    if (pi < walk_rank_.size() && walk_rank_[pi] < keep.state_ranks) {
+    const size_t rank = pi < walk_rank_.size() ? walk_rank_[pi] : SIZE_MAX;
+    if (rank < keep.state_ranks) {
       // The next walk needs this state first: it stays here, dirty, rather than being written now
       // and read back (written out only if the store needs its room, farthest next use first).
       for (TensorId id : {p.m, p.v, p.master}) {
-        if (id != kNoTensor) e_.store->set_next_use(id, keep.state_tick + walk_rank_[pi]);
+        if (id != kNoTensor) e_.store->set_next_use(id, keep.state_tick + rank);
+      }
+    } else if (rank != SIZE_MAX && rank >= keep.write_behind_from) {
+      // Written during the next backward pass (write_behind()), not under this forward pass.
+      std::lock_guard lk(write_behind_mu_);
+      for (TensorId id : {p.m, p.v, p.master}) {
+        if (id == kNoTensor) continue;
+        e_.store->set_next_use(id, keep.state_tick + rank);
+        write_behind_.emplace_back(rank, id);
       }
     } else {
       e_.release_offloaded(p.m, st.opt_home, tier);

@@ -41,12 +41,16 @@ class OptimizerWorker;
 // a mixed master) of the pieces in the walk's first `state_ranks` groups stays too, dirty, for
 // the next walk, at `state_tick` (that walk's, as record_sums() sets its accumulators') + the
 // group's rank: it is neither written now nor read back (by the next backward pass's read-ahead,
-// or by the walk) in between.
+// or by the walk) in between. The state of the groups from rank `write_behind_from` on (the walk's
+// last, past the kept ones) stays dirty too, at the same ticks, and is written back during the
+// next backward pass (write_behind()), when the disk is otherwise idle, rather than during the
+// forward pass the walk runs under; a copy still there at the next walk is not read again.
 struct Keep {
   bool params = false;
   uint64_t tick = 0;
   size_t state_ranks = 0;
   uint64_t state_tick = 0;
+  size_t write_behind_from = SIZE_MAX;
 };
 
 class OptimizerPipeline {
@@ -152,6 +156,14 @@ class OptimizerPipeline {
   // How many of the walk's first groups have their optimizer state kept for the next walk: those
   // whose state fits, in walk order, in the host room left beside the kept parameters (set_plan).
   size_t state_ranks_that_fit() const;
+  // The first rank whose state the walk leaves for write_behind(): the walk's last groups past
+  // the first `state_ranks`, as many as fit in the host room once every accumulator is spent
+  // (write_behind_room_).
+  size_t write_behind_from(size_t state_ranks) const;
+  // Starts writing back (on the store's movers) the state the last walk left dirty for it, the
+  // walk's last groups first (the host budget drops the copies needed last first); they stay in
+  // memory, clean, until the budget needs their room.
+  void write_behind();
   void start_early_update(size_t u);
   Status zero(const TensorHandle& h);
 
@@ -162,6 +174,13 @@ class OptimizerPipeline {
   std::vector<size_t> walk_rank_;            // per piece, its group's place in walk_
   std::vector<uint64_t> group_state_bytes_;  // per group, the host bytes of m, v (and master)
   uint64_t state_room_ = 0;  // host room for state kept across a step (see set_plan())
+  // Host room, beside the state kept across a step, for state left dirty by the walk until the
+  // next backward pass (see set_plan()).
+  uint64_t write_behind_room_ = 0;
+  // The state the walk behind step() left for write_behind(), with its walk rank. Filled by the
+  // worker, emptied by the thread that runs the backward pass.
+  std::mutex write_behind_mu_;
+  std::vector<std::pair<size_t, TensorId>> write_behind_;
   void rank_walk();
   size_t walk_prefetched_ = 0;  // groups of walk_ whose state was read ahead during backward
   // How many groups' state is read during the backward pass: as many as fit beside the
