@@ -49,6 +49,35 @@ EngineSettings stage3_on_nvme(const std::string& dir) {
   return s;
 }
 
+// A one-rank engine over `shape`'s MLP, with the communicator it uses (declared first: it
+// outlives the engine). `engine` is null, the failure reported, when it cannot be made.
+struct OneRank {
+  std::vector<std::unique_ptr<comm::Communicator>> group;
+  std::unique_ptr<Engine> engine;
+};
+OneRank one_rank_engine(const EngineSettings& s, const MlpShape& shape) {
+  OneRank r{.group = comm::make_local_group(1).value()};
+  auto engine = Engine::create(s, *r.group[0], testing::mlp_units(shape), testing::mlp_init);
+  EXPECT_TRUE(engine.is_ok()) << engine.status().to_string();
+  if (engine.is_ok()) r.engine = std::move(engine).value();
+  return r;
+}
+
+// stage3_on_nvme() with the read-ahead on, 1 MiB staging buffers, two per lane (6.3 MB in all),
+// and a host budget of `host_mem`.
+EngineSettings small_staging_on_nvme(const std::string& dir, uint64_t host_mem) {
+  EngineSettings s = stage3_on_nvme(dir);
+  s.staging_bytes = 1 << 20;
+  s.staging_buffers = 2;
+  s.host_mem = host_mem;
+  s.pipeline_read = true;  // (zinf train's default)
+  return s;
+}
+
+// The MLP of the tests of the state the walk behind step() keeps, leaves on the device or leaves
+// for the backward pass: 11 units, 2.4 MB of parameters, 4.8 MB of m and v in 156 groups.
+const MlpShape kElevenUnits{.dims = {32, 256, 256, 256, 256, 256, 256, 256, 256, 256, 256, 8}};
+
 uint64_t padded_elements(const MlpShape& shape, int world, size_t unit) {
   return zero::make_shard_layout(testing::mlp_units(shape)[unit], world, DType::kF32)->numel_padded;
 }
@@ -405,12 +434,10 @@ TEST(Schedule, TheUpdateBehindStepKeepsTheBits) {
 TEST(Schedule, TheReadAheadReadsNoAccumulatorThePassWillOverwrite) {
   zinf::testing::TempDir nvme;
   const MlpShape shape{.dims = {32, 256, 256, 8}};
-  EngineSettings s = stage3_on_nvme(nvme.path());  // clipping at 0.5: the update waits for the norm
-  s.staging_bytes = 1 << 20;
-  s.staging_buffers = 2;
-  s.host_mem = 10'000'000;  // beside the staging: 10 of the 20 groups ahead, no state kept
+  // Clipping at 0.5: the update waits for the norm. Beside the staging: 10 of the 20 groups
+  // ahead, no state kept.
+  EngineSettings s = small_staging_on_nvme(nvme.path(), 10'000'000);
   s.device_mem = 768 << 10;  // the working set of the largest unit (2 x 263 KB) and 260 KB
-  s.pipeline_read = true;   // (zinf train's default)
   auto group = comm::make_local_group(1).value();
   auto engine = Engine::create(s, *group[0], testing::mlp_units(shape), testing::mlp_init).value();
   const std::vector<uint64_t> samples = {0, 1};
@@ -444,27 +471,26 @@ TEST(Schedule, ShardsKeptForTheNextPassAreNotWrittenBack) {
     s.host_mem = 64 << 20;                           // every shard, its state and accumulator fit
     s.pipeline_read = true;
     s.update_behind = behind;
-    auto group = comm::make_local_group(1).value();
-    auto engine = Engine::create(s, *group[0], testing::mlp_units(shape), testing::mlp_init);
-    EXPECT_TRUE(engine.is_ok()) << engine.status().to_string();
-    if (!engine.is_ok()) return std::vector<std::vector<float>>{};
+    OneRank one = one_rank_engine(s, shape);
+    if (!one.engine) return std::vector<std::vector<float>>{};
+    Engine& engine = *one.engine;
     *param_bytes = 0;
-    for (size_t u = 0; u < (*engine)->unit_count(); ++u) {
+    for (size_t u = 0; u < engine.unit_count(); ++u) {
       *param_bytes += padded_elements(shape, 1, u) * 4;
     }
     const std::vector<uint64_t> samples = {0, 1};
     uint64_t w0 = 0, r0 = 0;
     for (int step = 0; step < 5; ++step) {
-      EXPECT_TRUE(testing::mlp_micro_step(**engine, shape, samples).is_ok());
-      EXPECT_TRUE((*engine)->step().is_ok());
-      EXPECT_TRUE((*engine)->wait_for_update().is_ok());
-      const StoreStats st = (*engine)->store_stats();
+      EXPECT_TRUE(testing::mlp_micro_step(engine, shape, samples).is_ok());
+      EXPECT_TRUE(engine.step().is_ok());
+      EXPECT_TRUE(engine.wait_for_update().is_ok());
+      const StoreStats st = engine.store_stats();
       written->push_back(st.bytes_nvme_written - w0);
       read->push_back(st.bytes_nvme_read - r0);
       w0 = st.bytes_nvme_written;
       r0 = st.bytes_nvme_read;
     }
-    return all_parameters(**engine);
+    return all_parameters(engine);
   };
   std::vector<uint64_t> w_in, r_in, w_behind, r_behind;
   uint64_t param_bytes = 0;
@@ -493,31 +519,26 @@ TEST(Schedule, ShardsKeptForTheNextPassAreNotWrittenBack) {
 // steps move m and v of the groups that do not fit (until 2026-12-07, sixth session, every run
 // did). Both end on the bits of the update inside step().
 TEST(Schedule, ShardsLeftOnTheDeviceGiveTheirHostRoomToTheState) {
-  const MlpShape shape{.dims = {32, 256, 256, 256, 256, 256, 256, 256, 256, 256, 256, 8}};
+  const MlpShape& shape = kElevenUnits;
   auto run = [&](bool behind, uint64_t device_mem, std::vector<uint64_t>* moved) {
     zinf::testing::TempDir nvme;
-    EngineSettings s = stage3_on_nvme(nvme.path());  // clipping at 0.5
-    s.staging_bytes = 1 << 20;
-    s.staging_buffers = 2;
-    s.host_mem = 14'500'000;
+    EngineSettings s = small_staging_on_nvme(nvme.path(), 14'500'000);  // clipping at 0.5
     s.device_mem = device_mem;  // 0: automatic (every unit fits)
-    s.pipeline_read = true;
     s.update_behind = behind;
-    auto group = comm::make_local_group(1).value();
-    auto engine = Engine::create(s, *group[0], testing::mlp_units(shape), testing::mlp_init);
-    EXPECT_TRUE(engine.is_ok()) << engine.status().to_string();
-    if (!engine.is_ok()) return std::vector<std::vector<float>>{};
+    OneRank one = one_rank_engine(s, shape);
+    if (!one.engine) return std::vector<std::vector<float>>{};
+    Engine& engine = *one.engine;
     const std::vector<uint64_t> samples = {0, 1};
     uint64_t before = 0;
     for (int step = 0; step < 5; ++step) {
-      EXPECT_TRUE(testing::mlp_micro_step(**engine, shape, samples).is_ok());
-      EXPECT_TRUE((*engine)->step().is_ok());
-      EXPECT_TRUE((*engine)->wait_for_update().is_ok());
-      const StoreStats st = (*engine)->store_stats();
+      EXPECT_TRUE(testing::mlp_micro_step(engine, shape, samples).is_ok());
+      EXPECT_TRUE(engine.step().is_ok());
+      EXPECT_TRUE(engine.wait_for_update().is_ok());
+      const StoreStats st = engine.store_stats();
       moved->push_back(st.bytes_nvme_read + st.bytes_nvme_written - before);
       before = st.bytes_nvme_read + st.bytes_nvme_written;
     }
-    return all_parameters(**engine);
+    return all_parameters(engine);
   };
   std::vector<uint64_t> inside_moved, on_device, one_unit;
   const auto inside = run(false, 0, &inside_moved);
@@ -546,32 +567,27 @@ TEST(Schedule, ShardsLeftOnTheDeviceGiveTheirHostRoomToTheState) {
 // the walk goes: their dirty host copies then take room the walk meant for that state, so most
 // of it is still written during the walk, to make room.)
 TEST(Schedule, TheWalksLastStateIsWrittenDuringTheBackwardPass) {
-  const MlpShape shape{.dims = {32, 256, 256, 256, 256, 256, 256, 256, 256, 256, 256, 8}};
+  const MlpShape& shape = kElevenUnits;
   auto run = [&](bool behind, std::vector<uint64_t>* in_walk, std::vector<uint64_t>* in_pass) {
     zinf::testing::TempDir nvme;
-    EngineSettings s = stage3_on_nvme(nvme.path());  // clipping at 0.5
-    s.staging_bytes = 1 << 20;
-    s.staging_buffers = 2;
-    s.host_mem = 11'000'000;
-    s.pipeline_read = true;
+    EngineSettings s = small_staging_on_nvme(nvme.path(), 11'000'000);  // clipping at 0.5
     s.update_behind = behind;
-    auto group = comm::make_local_group(1).value();
-    auto engine = Engine::create(s, *group[0], testing::mlp_units(shape), testing::mlp_init);
-    EXPECT_TRUE(engine.is_ok()) << engine.status().to_string();
-    if (!engine.is_ok()) return std::vector<std::vector<float>>{};
+    OneRank one = one_rank_engine(s, shape);
+    if (!one.engine) return std::vector<std::vector<float>>{};
+    Engine& engine = *one.engine;
     const std::vector<uint64_t> samples = {0, 1};
     uint64_t walk_end = 0;
     for (int step = 0; step < 5; ++step) {
-      EXPECT_TRUE(testing::mlp_micro_step(**engine, shape, samples).is_ok());
-      EXPECT_TRUE((*engine)->step().is_ok());  // waits for the last walk's write-backs
-      const uint64_t step_end = (*engine)->store_stats().bytes_nvme_written;
-      EXPECT_TRUE((*engine)->wait_for_update().is_ok());
-      const uint64_t now = (*engine)->store_stats().bytes_nvme_written;
+      EXPECT_TRUE(testing::mlp_micro_step(engine, shape, samples).is_ok());
+      EXPECT_TRUE(engine.step().is_ok());  // waits for the last walk's write-backs
+      const uint64_t step_end = engine.store_stats().bytes_nvme_written;
+      EXPECT_TRUE(engine.wait_for_update().is_ok());
+      const uint64_t now = engine.store_stats().bytes_nvme_written;
       in_pass->push_back(step_end - walk_end);  // the pass since the last walk ended
       in_walk->push_back(now - step_end);
       walk_end = now;
     }
-    return all_parameters(**engine);
+    return all_parameters(engine);
   };
   std::vector<uint64_t> walk_inside, pass_inside, in_walk, in_pass;
   const auto inside = run(false, &walk_inside, &pass_inside);
@@ -589,18 +605,13 @@ TEST(Schedule, TheWalksLastStateIsWrittenDuringTheBackwardPass) {
 // the next step() reports the failure naming the tensor and the swap file, and the copy stays
 // valid in memory, dirty: the run ends on the bits of a run without the fault.
 TEST(Schedule, AFailedWriteBehindIsReportedByTheNextStepAndLosesNothing) {
-  const MlpShape shape{.dims = {32, 256, 256, 256, 256, 256, 256, 256, 256, 256, 256, 8}};
+  const MlpShape& shape = kElevenUnits;
   auto run = [&](bool fault) {
     zinf::testing::TempDir nvme;
-    EngineSettings s = stage3_on_nvme(nvme.path());  // clipping at 0.5
-    s.staging_bytes = 1 << 20;
-    s.staging_buffers = 2;
-    s.host_mem = 11'000'000;
-    s.pipeline_read = true;
-    auto group = comm::make_local_group(1).value();
-    auto engine = Engine::create(s, *group[0], testing::mlp_units(shape), testing::mlp_init);
-    EXPECT_TRUE(engine.is_ok()) << engine.status().to_string();
-    if (!engine.is_ok()) return std::vector<std::vector<float>>{};
+    const EngineSettings s = small_staging_on_nvme(nvme.path(), 11'000'000);  // clipping at 0.5
+    OneRank one = one_rank_engine(s, shape);
+    if (!one.engine) return std::vector<std::vector<float>>{};
+    Engine& engine = *one.engine;
     const std::vector<uint64_t> samples = {0, 1};
     int failed = 0;
     for (int step = 0; step < 5; ++step) {
@@ -608,19 +619,19 @@ TEST(Schedule, AFailedWriteBehindIsReportedByTheNextStepAndLosesNothing) {
         io::FaultInjector::global().add(
             {.op = io::IoOp::kWrite, .nth = 1, .kind = io::FaultKind::kEio});
       }
-      EXPECT_TRUE(testing::mlp_micro_step(**engine, shape, samples).is_ok()) << "step " << step;
+      EXPECT_TRUE(testing::mlp_micro_step(engine, shape, samples).is_ok()) << "step " << step;
       io::FaultInjector::global().clear();
-      Status st = (*engine)->step();
+      Status st = engine.step();
       if (!st.is_ok()) {
         ++failed;
         EXPECT_EQ(step, 3) << st.to_string();
         EXPECT_NE(st.message().find("writing tensor layer"), std::string::npos) << st.message();
         EXPECT_NE(st.message().find("swap-"), std::string::npos) << st.message();
       }
-      EXPECT_TRUE((*engine)->wait_for_update().is_ok()) << "step " << step;
+      EXPECT_TRUE(engine.wait_for_update().is_ok()) << "step " << step;
     }
     EXPECT_EQ(failed, fault ? 1 : 0);
-    return all_parameters(**engine);
+    return all_parameters(engine);
   };
   const auto clean = run(false);
   const auto faulted = run(true);

@@ -110,8 +110,8 @@ void OptimizerPipeline::set_plan(const sched::SubGroupPlan& plan, uint64_t accum
   // unless homed there (update_piece() acquires the unit's tensor) or left on the device between
   // passes (the walk takes it from there: read_ahead() does not ask for it).
   const uint64_t state_per_element = e_.s.optimizer_home == Tier::kHost ? 0 : (e_.mixed ? 12 : 8);
-  const bool params_read = e_.policy.sharded_params && e_.s.param_home != Tier::kHost &&
-                           !params_stay_on_device();
+  const bool params_read =
+      e_.policy.sharded_params && e_.s.param_home != Tier::kHost && !params_stay_on_device();
   uint64_t largest_read = 0, all_params = 0;
   group_state_bytes_.assign(groups_.size(), 0);
   for (size_t g = 0; g < groups_.size(); ++g) {
@@ -160,8 +160,8 @@ void OptimizerPipeline::set_plan(const sched::SubGroupPlan& plan, uint64_t accum
       group_state_bytes_.empty()
           ? 0
           : *std::max_element(group_state_bytes_.begin(), group_state_bytes_.end());
-  const uint64_t beside = held_with_params - held + e_.sizes.host_home_bytes + e_.staging_total +
-                          largest_state;
+  const uint64_t beside =
+      held_with_params - held + e_.sizes.host_home_bytes + e_.staging_total + largest_state;
   write_behind_room_ = beside < e_.s.host_mem ? e_.s.host_mem - beside : 0;
 }
 
@@ -432,7 +432,7 @@ void OptimizerPipeline::write_behind() {
   }
   std::stable_sort(left.begin(), left.end(),
                    [](const auto& a, const auto& b) { return a.first > b.first; });
-  for (const auto& [rank, id] : left) e_.write_back_offloaded(id, Tier::kHost);
+  for (const auto& entry : left) e_.write_back_offloaded(entry.second, Tier::kHost);
 }
 
 void OptimizerPipeline::start_behind(const kernels::AdamStepArgs& args) {

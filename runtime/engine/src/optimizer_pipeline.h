@@ -174,8 +174,8 @@ class OptimizerPipeline {
   std::vector<size_t> walk_rank_;            // per piece, its group's place in walk_
   std::vector<uint64_t> group_state_bytes_;  // per group, the host bytes of m, v (and master)
   uint64_t state_room_ = 0;  // host room for state kept across a step (see set_plan())
-  // Host room, beside the state kept across a step, for state left dirty by the walk until the
-  // next backward pass (see set_plan()).
+  // Host room, once the walk has spent every accumulator, for the state kept across a step and
+  // the state left dirty until the next backward pass (see set_plan()).
   uint64_t write_behind_room_ = 0;
   // The state the walk behind step() left for write_behind(), with its walk rank. Filled by the
   // worker, emptied by the thread that runs the backward pass.
