@@ -133,9 +133,10 @@ struct EngineState {
   // Units are updated during the backward pass, as soon as their gradients are final
   // (OptimizerPipeline::updates_early(); fixed for the run).
   bool updates_early = false;
-  // One rank, sharded parameters offloaded, and the scheduler's live bound (what the device
-  // budget holds beside the step's working set) takes every unit at once: the device has room
-  // to keep every unit's parameters between passes (OptimizerPipeline::params_stay_on_device).
+  // One rank, sharded parameters homed on NVMe (homed on the host, their host copy never gives
+  // way), and the scheduler's live bound (what the device budget holds beside the step's working
+  // set) takes every unit at once: the device has room to keep every unit's parameters between
+  // passes (OptimizerPipeline::params_stay_on_device).
   bool device_holds_all_params = false;
   Status sticky;  // an error from a scope's destructor, reported by the next call
 
