@@ -150,8 +150,8 @@ void OptimizerPipeline::set_plan(const sched::SubGroupPlan& plan, uint64_t accum
   // above. When the parameters stay on the device between passes (params_stay_on_device()),
   // their host copies are clean once gathered and give way: only the two the walk works on
   // count.
-  const uint64_t held_with_params =
-      held + (params_stay_on_device() ? e_.sizes.cpu_update_bytes : all_params);
+  const uint64_t params_held = params_stay_on_device() ? e_.sizes.cpu_update_bytes : all_params;
+  const uint64_t held_with_params = held + params_held;
   state_room_ = held_with_params < e_.s.host_mem ? e_.s.host_mem - held_with_params : 0;
   // By the walk's end every accumulator is spent: the state of its last groups may stay dirty
   // until the next backward pass (write_behind()) in the room left beside the kept state (taken
@@ -160,8 +160,7 @@ void OptimizerPipeline::set_plan(const sched::SubGroupPlan& plan, uint64_t accum
       group_state_bytes_.empty()
           ? 0
           : *std::max_element(group_state_bytes_.begin(), group_state_bytes_.end());
-  const uint64_t beside =
-      held_with_params - held + e_.sizes.host_home_bytes + e_.staging_total + largest_state;
+  const uint64_t beside = params_held + e_.sizes.host_home_bytes + e_.staging_total + largest_state;
   write_behind_room_ = beside < e_.s.host_mem ? e_.s.host_mem - beside : 0;
 }
 
@@ -424,15 +423,13 @@ size_t OptimizerPipeline::write_behind_from(size_t state_ranks) const {
 }
 
 void OptimizerPipeline::write_behind() {
-  std::vector<std::pair<size_t, TensorId>> left;
+  std::vector<TensorId> left;
   {
     std::lock_guard lk(write_behind_mu_);
-    if (write_behind_.empty()) return;
     left.swap(write_behind_);
   }
-  std::stable_sort(left.begin(), left.end(),
-                   [](const auto& a, const auto& b) { return a.first > b.first; });
-  for (const auto& entry : left) e_.write_back_offloaded(entry.second, Tier::kHost);
+  // Filled in walk order (start_behind() empties it before a walk): the last groups first.
+  for (auto it = left.rbegin(); it != left.rend(); ++it) e_.write_back_offloaded(*it, Tier::kHost);
 }
 
 void OptimizerPipeline::start_behind(const kernels::AdamStepArgs& args) {
@@ -697,7 +694,7 @@ Status OptimizerPipeline::update_piece(size_t pi, const kernels::AdamStepArgs& a
       for (TensorId id : {p.m, p.v, p.master}) {
         if (id == kNoTensor) continue;
         e_.store->set_next_use(id, keep.state_tick + rank);
-        write_behind_.emplace_back(rank, id);
+        write_behind_.push_back(id);
       }
     } else {
       e_.release_offloaded(p.m, st.opt_home, tier);

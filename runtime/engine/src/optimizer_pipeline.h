@@ -177,10 +177,10 @@ class OptimizerPipeline {
   // Host room, once the walk has spent every accumulator, for the state kept across a step and
   // the state left dirty until the next backward pass (see set_plan()).
   uint64_t write_behind_room_ = 0;
-  // The state the walk behind step() left for write_behind(), with its walk rank. Filled by the
+  // The state the walk behind step() left for write_behind(), in walk order. Filled by the
   // worker, emptied by the thread that runs the backward pass.
   std::mutex write_behind_mu_;
-  std::vector<std::pair<size_t, TensorId>> write_behind_;
+  std::vector<TensorId> write_behind_;
   void rank_walk();
   size_t walk_prefetched_ = 0;  // groups of walk_ whose state was read ahead during backward
   // How many groups' state is read during the backward pass: as many as fit beside the
