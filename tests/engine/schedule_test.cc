@@ -556,6 +556,65 @@ TEST(Schedule, ShardsLeftOnTheDeviceGiveTheirHostRoomToTheState) {
   EXPECT_TRUE(same_bits(taken, inside));
 }
 
+// Updates fused into the backward pass (overlap_optimizer) with room on the device for every
+// unit: each update refreshes the unit's device copy from the host's, and the next forward pass
+// uses it, so the shards never cross the disk (until 2026-12-07, seventh session, each update
+// wrote its shard to NVMe and the next forward pass read it back). A step after the first two
+// reads and writes m and v only: at most twice the parameters' bytes each way; with the device
+// holding one unit at a time the shards move too. Both end on the bits of the plain step.
+TEST(Schedule, UpdatesFusedIntoTheBackwardPassLeaveTheShardsOnTheDevice) {
+  const MlpShape& shape = kElevenUnits;
+  uint64_t param_bytes = 0;
+  for (size_t u = 0; u + 1 < shape.dims.size(); ++u)
+    param_bytes += padded_elements(shape, 1, u) * 4;
+  struct Moved {
+    std::vector<uint64_t> read, written;
+  };
+  auto run = [&](bool fused, uint64_t device_mem, Moved* moved) {
+    zinf::testing::TempDir nvme;
+    EngineSettings s = small_staging_on_nvme(nvme.path(), 14'500'000);
+    s.gradient_clipping = 0;
+    s.overlap_optimizer = fused;
+    s.device_mem = device_mem;  // 0: automatic (every unit fits)
+    OneRank one = one_rank_engine(s, shape);
+    if (!one.engine) return std::vector<std::vector<float>>{};
+    Engine& engine = *one.engine;
+    const std::vector<uint64_t> samples = {0, 1};
+    uint64_t r0 = 0, w0 = 0;
+    for (int step = 0; step < 5; ++step) {
+      EXPECT_TRUE(testing::mlp_micro_step(engine, shape, samples).is_ok());
+      EXPECT_TRUE(engine.step().is_ok());
+      if (fused && step >= 2) {
+        EXPECT_EQ(engine.last_step().units_updated_early, shape.dims.size() - 1) << step;
+      }
+      EXPECT_TRUE(engine.wait_for_update().is_ok());
+      const StoreStats st = engine.store_stats();
+      moved->read.push_back(st.bytes_nvme_read - r0);
+      moved->written.push_back(st.bytes_nvme_written - w0);
+      r0 = st.bytes_nvme_read;
+      w0 = st.bytes_nvme_written;
+    }
+    return all_parameters(engine);
+  };
+  Moved plain_moved, on_device, one_unit;
+  const auto plain = run(false, 0, &plain_moved);
+  const auto left = run(true, 0, &on_device);
+  // The working set of the largest unit (2 x 263 KB) and 260 KB: one unit live at a time.
+  const auto taken = run(true, 768 << 10, &one_unit);
+  ASSERT_EQ(on_device.read.size(), 5u);
+  ASSERT_EQ(one_unit.read.size(), 5u);
+  for (int step = 2; step < 5; ++step) {
+    EXPECT_GT(on_device.read[step], 0u) << "step " << step;  // m and v
+    EXPECT_LE(on_device.read[step], 2 * param_bytes) << "step " << step;
+    EXPECT_LE(on_device.written[step], 2 * param_bytes) << "step " << step;
+    EXPECT_GT(one_unit.read[step], 2 * param_bytes) << "step " << step;
+    EXPECT_GT(one_unit.written[step], 2 * param_bytes) << "step " << step;
+  }
+  ASSERT_EQ(plain.size(), shape.dims.size() - 1);
+  EXPECT_TRUE(same_bits(left, plain));
+  EXPECT_TRUE(same_bits(taken, plain));
+}
+
 // The walk behind step() runs under the next forward pass; the backward pass after it leaves the
 // disk idle. So the state of the walk's last groups, past those kept for the next walk, stays
 // dirty in the room the spent accumulators leave, and is written during that backward pass (the

@@ -389,7 +389,7 @@ bool OptimizerPipeline::updates_behind() const {
 }
 
 bool OptimizerPipeline::params_stay_on_device() const {
-  return e_.device_holds_all_params && updates_behind();
+  return e_.device_holds_all_params && (updates_behind() || updates_early());
 }
 
 uint64_t OptimizerPipeline::next_walk_tick(size_t u) const {
@@ -711,7 +711,12 @@ Status OptimizerPipeline::update_piece(size_t pi, const kernels::AdamStepArgs& a
     }
   }
   if (e_.policy.sharded_params && unit_done) {
-    if (keep.params && tier != Tier::kDevice && p.unit < first_use_.size()) {
+    if (updates_early() && params_stay_on_device() && tier != Tier::kDevice &&
+        refresh_device_copy(p.unit)) {
+      // The next forward pass uses the refreshed device copy; the host copy, now clean, goes
+      // without being written.
+      e_.release_offloaded(st.params, e_.s.param_home, tier);
+    } else if (keep.params && tier != Tier::kDevice && p.unit < first_use_.size()) {
       // The next forward pass gathers them soon (update_behind): from here, not from NVMe. They
       // stay as they are, not written back: the store writes them out only if it needs their
       // room (a dirty copy goes after the clean ones), or once the pass's device copy is the only
@@ -723,6 +728,19 @@ Status OptimizerPipeline::update_piece(size_t pi, const kernels::AdamStepArgs& a
     }
   }
   return Status::ok();
+}
+
+bool OptimizerPipeline::refresh_device_copy(size_t u) {
+  const TensorId params = e_.unit_states[u].params;
+  auto device = e_.store->acquire(params, Tier::kDevice);
+  if (!device.is_ok()) {  // an optimisation only: the shard then goes to NVMe as before
+    log::debug("engine: {}'s device copy not refreshed after its update: {}", e_.units[u].name,
+               device.status().to_string());
+    return false;
+  }
+  device->release();
+  e_.store->set_next_use(params, next_walk_tick(u));
+  return true;
 }
 
 // Starts bringing a piece's optimizer state (and its unit's parameters) to where the update runs.

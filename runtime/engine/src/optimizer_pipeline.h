@@ -105,6 +105,8 @@ class OptimizerPipeline {
   // a unit's device copy stays after the pass's last use until the next walk takes it back to
   // the host. The host copy, once the pass has the same bytes on the device, is clean: the store
   // drops it first when the host budget needs room, room the walk's kept state counts on.
+  // Fused into the backward pass (updates_early), likewise: the update refreshes the device copy
+  // from the host's (refresh_device_copy), which then goes unwritten.
   bool params_stay_on_device() const;
   // The tick of unit u's update in the next walk behind step(), from the pass of the step being
   // made (about when the next forward pass first uses u).
@@ -149,6 +151,9 @@ class OptimizerPipeline {
               const std::function<void(size_t)>& done = {}, const Keep& keep = {});
   std::vector<size_t> first_use_;  // per unit, its first use in the recorded trace (plan_walk)
   void prefetch_piece(size_t pi, PrefetchRoom room = PrefetchRoom::kAny);
+  // After unit u's update fused into the backward pass: its device copy made current again from
+  // the host's, for the next forward pass. False when the device had no room (nothing changed).
+  bool refresh_device_copy(size_t u);
   // The copies update_piece() acquires for piece `pi`, in its order.
   void append_reads(size_t pi, std::vector<std::pair<TensorId, Tier>>& reads,
                     bool with_params = true);
