@@ -262,6 +262,7 @@ struct Engine::Impl {
     info.loss_scale = scaler.scale();
     // An update running behind waits for its own write-backs (wait_behind() reports them).
     Status end = optimizer.behind_pending() ? Status() : e.finish_evictions();
+    optimizer.after_commit();
     return shared.is_ok() ? end : shared;
   }
 };

@@ -58,8 +58,11 @@ Result<void*> Gatherer::begin_use(size_t u, TensorHandle& resident) {
   ++st.scopes;
   st.used_since_gather = true;
   Status ahead = plan_ahead();
-  // With updates fused into backward, the unit's last use of the step is followed by its update.
+  // With updates fused into backward, the unit's last use of the step is followed by its update,
+  // which takes the shard from the host (or, when it stays on the device between passes, copies
+  // it from there itself, off this thread).
   const bool for_update = e_.updates_early && e_.s.param_home == Tier::kNvme &&
+                          !optimizer_.params_stay_on_device() &&
                           EngineState::compute_tier(st) == Tier::kHost && e_.sched->following() &&
                           !e_.sched->next_use(u);
   Status mine = finish(u, for_update);

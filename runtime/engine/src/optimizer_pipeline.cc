@@ -160,7 +160,19 @@ void OptimizerPipeline::set_plan(const sched::SubGroupPlan& plan, uint64_t accum
       group_state_bytes_.empty()
           ? 0
           : *std::max_element(group_state_bytes_.begin(), group_state_bytes_.end());
-  const uint64_t beside = params_held + e_.sizes.host_home_bytes + e_.staging_total + largest_state;
+  uint64_t beside = params_held + e_.sizes.host_home_bytes + e_.staging_total + largest_state;
+  if (updates_early()) {
+    // Fused into the backward pass, with the shards left on the device (params_stay_on_device():
+    // otherwise the next forward pass reads every shard from NVMe, and the state written or read
+    // under it would hold those reads up; then no state is left behind: write_behind_from() is
+    // past the walk), the last units' state stays dirty while the pass goes on
+    // (written under the next forward pass, which moves nothing else): beside it, the units
+    // still to be updated hold two parameter copies (cpu_update_bytes), the accumulator being
+    // updated and the one being filled, and two groups' state (the one updated, the next read).
+    beside = e_.sizes.cpu_update_bytes + 2 * e_.sizes.largest_unit_elements * 4 +
+             e_.sizes.host_home_bytes + e_.staging_total + 2 * largest_state;
+    if (!params_stay_on_device()) beside = e_.s.host_mem;
+  }
   write_behind_room_ = beside < e_.s.host_mem ? e_.s.host_mem - beside : 0;
 }
 
@@ -176,7 +188,7 @@ bool OptimizerPipeline::updates_early() const {
 void OptimizerPipeline::on_grads_final(size_t u) {
   UnitState& st = e_.unit_states[u];
   st.grads_final = true;
-  write_behind();
+  if (!updates_early()) write_behind();  // (fused into this pass: after_commit())
   if (st.final_issued) {
     start_early_update(u);
   } else if (groups_read_during_backward_ > 0) {
@@ -553,6 +565,28 @@ void OptimizerPipeline::commit() {
   discard();
 }
 
+void OptimizerPipeline::after_commit() {
+  if (!updates_early()) return;
+  write_behind();
+  // The next pass's first updates need their state as soon as its backward pass begins: read
+  // under the forward pass, which moves nothing else when the shards stay on the device, as far
+  // as two of the largest groups (the room the pass's updates need anyway), clean copies only
+  // giving way.
+  if (!e_.s.pipeline_read || !params_stay_on_device() || !e_.sched->following() ||
+      group_state_bytes_.empty()) {
+    return;
+  }
+  const uint64_t largest = *std::max_element(group_state_bytes_.begin(), group_state_bytes_.end());
+  std::vector<std::pair<TensorId, Tier>> reads;
+  uint64_t bytes = 0;
+  for (size_t r = 0; r < walk_.size(); ++r) {
+    bytes += group_state_bytes_[walk_[r]];
+    if (bytes > 2 * largest) break;
+    for (size_t pi : groups_[walk_[r]]) append_reads(pi, reads, /*with_params=*/false);
+  }
+  if (!reads.empty()) e_.store->prefetch_in_order(std::move(reads), PrefetchRoom::kCleanOnly);
+}
+
 // After a step the accumulators are zero; the bytes are written only when needed.
 void OptimizerPipeline::discard() {
   for (UnitState& st : e_.unit_states) st.acc_zero = true;
@@ -590,13 +624,33 @@ void OptimizerPipeline::start_early_update(size_t u) {
   ++updated_early_;
   const kernels::AdamStepArgs args{.step = e_.steps + 1, .grad_scale = combined_scale()};
   std::vector<size_t> mine = e_.unit_states[u].pieces;
-  worker_->submit([this, mine, args, adam = e_.s.adam]() -> Status {
+  // The state of the step's last updates is written under the next forward pass (commit() starts
+  // it), when the disk is otherwise idle, rather than under this backward pass.
+  Keep keep;
+  if (e_.sched->following()) {
+    keep.state_tick = static_cast<uint64_t>(e_.steps + 2) * e_.sched->trace().size();
+    keep.write_behind_from = write_behind_from(0);
+  }
+  // The walk's group after u's: the next unit's update needs its state as soon as that unit's
+  // gradients are final, so it is read while u is updated (its parameters and accumulator are
+  // still in the pass's use). Only with the shards left on the device: otherwise the host budget
+  // also holds each unit's shard for its update, and a read this early may be evicted unused.
+  std::vector<size_t> next;
+  if (e_.s.pipeline_read && params_stay_on_device() && !mine.empty() && e_.sched->following()) {
+    size_t last = 0;
+    for (size_t pi : mine) last = std::max(last, walk_rank_[pi]);
+    if (last + 1 < walk_.size()) next = groups_[walk_[last + 1]];
+  }
+  worker_->submit([this, mine, next, args, adam = e_.s.adam, keep]() -> Status {
     for (size_t k = 0; k < mine.size(); ++k) {
       if (e_.s.pipeline_read) {  // this piece (the first time) and the next one
         if (k == 0) prefetch_piece(mine[0]);
         if (k + 1 < mine.size()) prefetch_piece(mine[k + 1]);
+        if (k == 0) {
+          for (size_t pi : next) prefetch_state(pi);
+        }
       }
-      ZINF_RETURN_IF_ERROR(update_piece(mine[k], args, adam));
+      ZINF_RETURN_IF_ERROR(update_piece(mine[k], args, adam, keep));
     }
     return Status::ok();
   });
@@ -750,6 +804,14 @@ void OptimizerPipeline::prefetch_piece(size_t pi, PrefetchRoom room) {
   const Tier tier = EngineState::compute_tier(st);
   for (TensorId id : {p.m, p.v, p.master, st.params, p.acc}) {
     if (id != kNoTensor) e_.store->prefetch(id, tier, room);
+  }
+}
+
+void OptimizerPipeline::prefetch_state(size_t pi) {
+  const PieceState& p = e_.pieces[pi];
+  const Tier tier = EngineState::compute_tier(e_.unit_states[p.unit]);
+  for (TensorId id : {p.m, p.v, p.master}) {
+    if (id != kNoTensor) e_.store->prefetch(id, tier, PrefetchRoom::kCleanOnly);
   }
 }
 

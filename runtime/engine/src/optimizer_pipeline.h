@@ -136,6 +136,9 @@ class OptimizerPipeline {
   // The step is committed on every rank: the next starts from zero gradients, nothing updated.
   // (With the walk behind still running, what it has not done yet is left to it.)
   void commit();
+  // After commit() and the step's write-backs: fused into the backward pass, starts the writes
+  // the step's last updates left (write_behind()) and the reads of the next pass's first updates.
+  void after_commit();
   // The step is skipped (fp16 overflow): its gradients are dropped.
   void discard();
   size_t sub_groups() const { return groups_.size(); }
@@ -151,6 +154,9 @@ class OptimizerPipeline {
               const std::function<void(size_t)>& done = {}, const Keep& keep = {});
   std::vector<size_t> first_use_;  // per unit, its first use in the recorded trace (plan_walk)
   void prefetch_piece(size_t pi, PrefetchRoom room = PrefetchRoom::kAny);
+  // Starts bringing a piece's optimizer state (not its parameters or accumulator) to where the
+  // update runs, into room clean copies give.
+  void prefetch_state(size_t pi);
   // After unit u's update fused into the backward pass: its device copy made current again from
   // the host's, for the next forward pass. False when the device had no room (nothing changed).
   bool refresh_device_copy(size_t u);
@@ -167,7 +173,10 @@ class OptimizerPipeline {
   size_t write_behind_from(size_t state_ranks) const;
   // Starts writing back (on the store's movers) the state the last walk left dirty for it, the
   // walk's last groups first (the host budget drops the copies needed last first); they stay in
-  // memory, clean, until the budget needs their room.
+  // memory, clean, until the budget needs their room. Behind step() at the next backward pass's
+  // first final gradient; fused into the backward pass, once step() has committed (the writes
+  // then run under the next forward pass: after_commit()). A failure is reported by the next
+  // step().
   void write_behind();
   void start_early_update(size_t u);
   Status zero(const TensorHandle& h);
@@ -182,8 +191,9 @@ class OptimizerPipeline {
   // Host room, once the walk has spent every accumulator, for the state kept across a step and
   // the state left dirty until the next backward pass (see set_plan()).
   uint64_t write_behind_room_ = 0;
-  // The state the walk behind step() left for write_behind(), in walk order. Filled by the
-  // worker, emptied by the thread that runs the backward pass.
+  // The state the walk behind step() (or the updates fused into the backward pass) left for
+  // write_behind(), in walk order. Filled by the worker, emptied by the thread that runs the
+  // passes.
   std::mutex write_behind_mu_;
   std::vector<TensorId> write_behind_;
   void rank_walk();
