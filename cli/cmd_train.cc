@@ -481,7 +481,8 @@ const Registration kTrain{
                    help("Start each unit's optimizer update during the backward pass once its "
                         "gradients are final (only with --clip 0 and without fp16; otherwise a "
                         "warning and no effect). Moves the least NVMe traffic; an inf/NaN "
-                        "gradient then stops the run instead of skipping the step",
+                        "gradient then stops the run instead of skipping the step, unless (one "
+                        "rank) the step's first update meets it",
                         t::kOverlapOptimizer));
       sub.add_option("--device-mem", a->device_mem,
                      help("Device budget per rank, e.g. 2G (0 is an error)", t::kDeviceMem));

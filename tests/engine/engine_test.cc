@@ -525,6 +525,67 @@ TEST(Engine, FusedUpdatesStopTheRunOnANonFiniteGradient) {
   }
 }
 
+// With one rank, a non-finite gradient met by the step's first fused update (overlap_optimizer;
+// the last unit's, the first whose gradients are final: a non-finite loss makes it so) comes
+// before anything was updated, so the step is skipped as without overlap_optimizer: counted,
+// the parameters and state untouched (the next good step ends on the bits of a run that never
+// saw the bad one), the updates after it doing nothing. In memory at stage 0, and at stage 3
+// with both on NVMe and the shards left on the device between passes.
+TEST(Engine, AFusedStepWhoseFirstUpdateMeetsANonFiniteGradientIsSkipped) {
+  zinf::testing::TempDir nvme;
+  for (bool on_nvme : {false, true}) {
+    for (DType dt : {DType::kF32, DType::kBF16}) {
+      for (float poison : {std::nanf(""), std::numeric_limits<float>::infinity()}) {
+        SCOPED_TRACE(
+            fmt::format("{} {} poison {}", on_nvme ? "NVMe" : "memory", dtype_name(dt), poison));
+        EngineSettings s = base(on_nvme ? 3 : 0);
+        s.dtype = dt;
+        s.gradient_clipping = 0;
+        s.overlap_optimizer = true;
+        if (on_nvme) {
+          s.param_home = Tier::kNvme;
+          s.optimizer_home = Tier::kNvme;
+          s.nvme_paths = {nvme.path()};
+        }
+        std::vector<std::vector<float>> clean_end, before, after_skip, end;
+        std::vector<StepInfo> infos;
+        Status ok = on_ranks(s, 1, [&](Engine& e, int) {
+          for (float g : {0.01f, 0.03f, 0.02f})
+            EXPECT_TRUE(constant_grads_step(e, g, SIZE_MAX, 0).is_ok());
+          clean_end = all_params(e);
+        });
+        ASSERT_TRUE(ok.is_ok()) << ok.to_string();
+        ok = on_ranks(s, 1, [&](Engine& e, int) {
+          // The first step records the order; the second updates during its backward pass.
+          EXPECT_TRUE(constant_grads_step(e, 0.01f, SIZE_MAX, 0).is_ok());
+          EXPECT_TRUE(constant_grads_step(e, 0.03f, SIZE_MAX, 0).is_ok());
+          before = all_params(e);
+          Status bad = constant_grads_step(e, 0.5f, e.unit_count() - 1, poison);
+          EXPECT_TRUE(bad.is_ok()) << bad.to_string();
+          after_skip = all_params(e);
+          infos.push_back(e.last_step());
+          EXPECT_TRUE(constant_grads_step(e, 0.02f, SIZE_MAX, 0).is_ok());
+          end = all_params(e);
+          infos.push_back(e.last_step());
+        });
+        ASSERT_TRUE(ok.is_ok()) << ok.to_string();
+        ASSERT_EQ(infos.size(), 2u);
+        EXPECT_TRUE(infos[0].skipped);
+        EXPECT_EQ(infos[0].step, 2);
+        EXPECT_EQ(infos[0].skipped_steps, 1);
+        EXPECT_EQ(infos[0].nonfinite_in_a_row, 1u);
+        EXPECT_FALSE(std::isfinite(infos[0].grad_norm));
+        EXPECT_TRUE(same_params(before, after_skip)) << "a skipped step changed the parameters";
+        EXPECT_FALSE(infos[1].skipped);
+        EXPECT_EQ(infos[1].step, 3);
+        EXPECT_GT(infos[1].units_updated_early, 0u) << "the good step after it is fused again";
+        EXPECT_FALSE(same_params(after_skip, end)) << "the comparison is not vacuous";
+        EXPECT_TRUE(same_params(clean_end, end)) << "the skipped step left no trace";
+      }
+    }
+  }
+}
+
 // max_nonfinite_steps in a row stop the run: step() fails naming the step; a good step in
 // between resets the count. fp16 with dynamic scaling counts only once the scale is at its
 // minimum (the halvings before are how it recovers from an overflow).

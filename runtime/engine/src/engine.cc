@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <optional>
 
 #include "builder.h"
@@ -59,6 +60,7 @@ struct Engine::Impl {
     if (Status behind = settle_behind(); !behind.is_ok()) return behind;
     if (optimizer.behind_failed()) return finish_behind(info);
     Status local = settle_backward(info);
+    const std::optional<size_t> poisoned = optimizer.take_nonfinite_before_any_update();
     if (!e.sticky.is_ok()) {  // a scope's end could not issue its reduction: gradients missing
       if (local.is_ok()) local = std::move(e.sticky);
       e.sticky = Status();
@@ -86,9 +88,12 @@ struct Engine::Impl {
     const GlobalNorm norm = *exchanged;
     if (norm.ok) agreed_norm = norm;
     info.grad_norm = norm.ok ? std::sqrt(norm.sum_squares) : 0;
+    if (poisoned) info.grad_norm = std::numeric_limits<double>::quiet_NaN();  // (not taken)
     // A non-finite norm (fp16: an overflow) skips the update, in every precision. Every rank sees
-    // the same partials and decides the same.
-    const bool overflow = norm.ok && checks_nonfinite() && !std::isfinite(norm.sum_squares);
+    // the same partials and decides the same. Fused into the backward pass (no norm), so does a
+    // non-finite gradient met before any unit was updated (one rank).
+    const bool overflow =
+        norm.ok && ((checks_nonfinite() && !std::isfinite(norm.sum_squares)) || poisoned);
     if (norm.ok && !overflow) {
       const kernels::AdamStepArgs args{
           .step = e.steps + 1,
@@ -111,7 +116,14 @@ struct Engine::Impl {
     }
     e.update_incomplete = false;
     if (overflow) {
-      Status stop = skip(info, norm.sum_squares);
+      const std::string what =
+          poisoned ? fmt::format(
+                         "unit {} has a non-finite gradient (met by the step's first "
+                         "update, fused into the backward pass, before any other)",
+                         e.units[*poisoned].name)
+                   : fmt::format("the global gradient norm is {}",
+                                 std::isnan(norm.sum_squares) ? "NaN" : "infinite");
+      Status stop = skip(info, what);
       return stop.is_ok() ? writeback : stop;
     }
     Status committed = commit(info);
@@ -221,7 +233,7 @@ struct Engine::Impl {
   // A non-finite gradient norm on some rank: no update, the gradients are dropped; fp16's loss
   // scale goes down. The skip counts towards max_nonfinite_steps unless the scale can still go
   // down; that many in a row fail the step, naming it.
-  Status skip(StepInfo& info, double sum_squares) {
+  Status skip(StepInfo& info, const std::string& what) {
     agreed_norm.reset();
     const bool counts = scaler.at_floor();
     info.skipped = true;
@@ -234,17 +246,17 @@ struct Engine::Impl {
     info.skipped_steps = skipped_steps;
     info.nonfinite_in_a_row = nonfinite_in_a_row;
     log::warn_once("engine:nonfinite",
-                   fmt::format("step {}: the global gradient norm is {}; the step is skipped "
-                               "(reported once; StepInfo::skipped_steps counts them)",
-                               step_calls, std::isnan(sum_squares) ? "NaN" : "infinite"));
+                   fmt::format("step {}: {}; the step is skipped (reported once; "
+                               "StepInfo::skipped_steps counts them)",
+                               step_calls, what));
     const uint64_t limit = e.s.max_nonfinite_steps;
     if (limit == 0 || nonfinite_in_a_row < limit) return Status::ok();
     return make_error(
         ErrorCode::kNonFinite,
-        "step {}: the global gradient norm is {} in {} steps in a row "
+        "step {}: {} in {} steps in a row "
         "(max_nonfinite_steps = {}{}); stopping: the parameters are those of optimizer step {} "
         "(lower the learning rate, check the data or the loss scale, or resume from a checkpoint)",
-        step_calls, std::isnan(sum_squares) ? "NaN" : "infinite", nonfinite_in_a_row, limit,
+        step_calls, what, nonfinite_in_a_row, limit,
         scaler.checks_overflow() ? ", counted at the minimum fp16 loss scale" : "", e.steps);
   }
 

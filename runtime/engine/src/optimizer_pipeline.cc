@@ -75,8 +75,8 @@ OptimizerPipeline::OptimizerPipeline(EngineState& e, const LossScaler& scaler)
     } else {
       log::info(
           "overlap_optimizer: updates start before the global gradient norm is known, so a "
-          "non-finite gradient cannot skip the step: it stops the run instead "
-          "(max_nonfinite_steps has no effect)");
+          "non-finite gradient met after the step's first update cannot skip the step: it stops "
+          "the run instead (with one rank, one met by the first update skips the step)");
     }
   }
 }
@@ -199,6 +199,11 @@ void OptimizerPipeline::on_grads_final(size_t u) {
 Status OptimizerPipeline::wait_early() { return worker_ ? worker_->wait() : Status::ok(); }
 
 size_t OptimizerPipeline::take_units_updated_early() { return std::exchange(updated_early_, 0); }
+
+std::optional<size_t> OptimizerPipeline::take_nonfinite_before_any_update() {
+  pieces_updated_early_ = 0;
+  return std::exchange(nonfinite_before_any_update_, std::nullopt);
+}
 
 void OptimizerPipeline::plan_walk() {
   walk_prefetched_ = 0;
@@ -628,6 +633,7 @@ void OptimizerPipeline::start_early_update(size_t u) {
   // it), when the disk is otherwise idle, rather than under this backward pass.
   Keep keep;
   if (e_.sched->following()) {
+    keep.tick = next_walk_tick(u);  // the refreshed device copy's next use (taken on this thread)
     keep.state_tick = static_cast<uint64_t>(e_.steps + 2) * e_.sched->trace().size();
     keep.write_behind_from = write_behind_from(0);
   }
@@ -663,6 +669,10 @@ Status OptimizerPipeline::update_piece(size_t pi, const kernels::AdamStepArgs& a
   UnitState& st = e_.unit_states[p.unit];
   const Tier tier = EngineState::compute_tier(st);
   const bool mixed = e_.mixed;
+  if (updates_early() && nonfinite_before_any_update_) {
+    // The step is skipped (see below): its gradient is dead, and nothing is updated.
+    return e_.discard_offloaded(p.acc, st.opt_home, tier);
+  }
   ZINF_ASSIGN_OR_RETURN(TensorHandle params, e_.store->acquire(st.params, tier));
   TensorHandle master;
   if (mixed) {
@@ -685,6 +695,15 @@ Status OptimizerPipeline::update_piece(size_t pi, const kernels::AdamStepArgs& a
       ZINF_RETURN_IF_ERROR(sync(*e_.optimizer_stream));
     } else {
       bad = kernels::grad_has_nonfinite(grads, DType::kF32, n, e_.s.optimizer_threads);
+    }
+    if (bad && e_.world == 1 && pieces_updated_early_ == 0) {
+      // Met by the step's first update (a non-finite loss makes the first gradient so): nothing
+      // has reached the state yet, so the step is skipped as without overlap_optimizer (step()
+      // sees take_nonfinite_before_any_update()); the updates after it do nothing. With several
+      // ranks another rank may have updated its first unit already: that case stops below.
+      nonfinite_before_any_update_ = p.unit;
+      acc.release();
+      return e_.discard_offloaded(p.acc, st.opt_home, tier);
     }
     if (bad) {
       return make_error(ErrorCode::kNonFinite,
@@ -730,6 +749,7 @@ Status OptimizerPipeline::update_piece(size_t pi, const kernels::AdamStepArgs& a
   v.release();
   acc.release();
   updated_[pi] = 1;
+  if (updates_early()) ++pieces_updated_early_;
   // What the unit's pieces share (its parameters, a full accumulator) goes once all of them are
   // done: the walk may visit a unit's pieces out of order.
   const bool unit_done =
@@ -766,7 +786,7 @@ Status OptimizerPipeline::update_piece(size_t pi, const kernels::AdamStepArgs& a
   }
   if (e_.policy.sharded_params && unit_done) {
     if (updates_early() && params_stay_on_device() && tier != Tier::kDevice &&
-        refresh_device_copy(p.unit)) {
+        refresh_device_copy(p.unit, keep.tick)) {
       // The next forward pass uses the refreshed device copy; the host copy, now clean, goes
       // without being written.
       e_.release_offloaded(st.params, e_.s.param_home, tier);
@@ -784,7 +804,7 @@ Status OptimizerPipeline::update_piece(size_t pi, const kernels::AdamStepArgs& a
   return Status::ok();
 }
 
-bool OptimizerPipeline::refresh_device_copy(size_t u) {
+bool OptimizerPipeline::refresh_device_copy(size_t u, uint64_t next_use) {
   const TensorId params = e_.unit_states[u].params;
   auto device = e_.store->acquire(params, Tier::kDevice);
   if (!device.is_ok()) {  // an optimisation only: the shard then goes to NVMe as before
@@ -793,7 +813,7 @@ bool OptimizerPipeline::refresh_device_copy(size_t u) {
     return false;
   }
   device->release();
-  e_.store->set_next_use(params, next_walk_tick(u));
+  if (next_use > 0) e_.store->set_next_use(params, next_use);
   return true;
 }
 

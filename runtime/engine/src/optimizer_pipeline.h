@@ -25,6 +25,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "engine_state.h"
@@ -45,6 +46,9 @@ class OptimizerWorker;
 // last, past the kept ones) stays dirty too, at the same ticks, and is written back during the
 // next backward pass (write_behind()), when the disk is otherwise idle, rather than during the
 // forward pass the walk runs under; a copy still there at the next walk is not read again.
+// Fused into the backward pass (start_early_update), `tick` is the next use of the unit's
+// refreshed device copy, and the groups from `write_behind_from` on are written once step() has
+// committed (after_commit()), under the next forward pass.
 struct Keep {
   bool params = false;
   uint64_t tick = 0;
@@ -77,6 +81,10 @@ class OptimizerPipeline {
   // Waits for the updates started early; the first failure. How many units were started.
   Status wait_early();
   size_t take_units_updated_early();
+  // After wait_early(): the unit whose non-finite gradient the step's first fused update met,
+  // with one rank, before anything was updated (the step is then skipped, as without
+  // overlap_optimizer: nothing of it reached the state), or nullopt. Cleared for the next step.
+  std::optional<size_t> take_nonfinite_before_any_update();
   // Whether an update of the step being made has been handed to the worker (its hyperparameters
   // are then fixed until step()).
   bool early_updates_started() const { return updated_early_ > 0; }
@@ -158,8 +166,9 @@ class OptimizerPipeline {
   // update runs, into room clean copies give.
   void prefetch_state(size_t pi);
   // After unit u's update fused into the backward pass: its device copy made current again from
-  // the host's, for the next forward pass. False when the device had no room (nothing changed).
-  bool refresh_device_copy(size_t u);
+  // the host's, for the next forward pass (its use at tick `next_use`, when known: not 0). False
+  // when the device had no room (nothing changed).
+  bool refresh_device_copy(size_t u, uint64_t next_use);
   // The copies update_piece() acquires for piece `pi`, in its order.
   void append_reads(size_t pi, std::vector<std::pair<TensorId, Tier>>& reads,
                     bool with_params = true);
@@ -215,6 +224,11 @@ class OptimizerPipeline {
   std::vector<Sums> sums_;
   std::unique_ptr<OptimizerWorker> worker_;  // overlap_optimizer, update_behind
   size_t updated_early_ = 0;                 // units handed to the worker in this step
+  // Fused into the backward pass, in the step being made: pieces updated so far, and the unit
+  // whose non-finite gradient the first update met (take_nonfinite_before_any_update()). Written
+  // by the worker, read once wait_early() has returned.
+  size_t pieces_updated_early_ = 0;
+  std::optional<size_t> nonfinite_before_any_update_;
   // The walk behind step(). `pending` and `failed` belong to the calling thread; the rest is
   // shared with the worker under `mu`.
   struct Behind {

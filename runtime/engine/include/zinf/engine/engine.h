@@ -89,7 +89,8 @@ struct EngineSettings {
   // dropped, the parameters and optimizer state stay bit for bit) and counts it; this many skips
   // in a row (fp16 with dynamic scaling: counted only at min_loss_scale) make step() fail with an
   // error naming the step. 0 = skip without limit. Not with overlap_optimizer's early updates,
-  // which start before the norm is known.
+  // which start before the norm is known, except that with one rank a non-finite gradient met by
+  // the step's first update (before any other) skips the step and counts the same way.
   uint64_t max_nonfinite_steps = tunables::kMaxNonfiniteSteps.value;
   uint64_t reduce_bucket_elements = tunables::kReduceBucket.value;  // reduce_bucket_size
   // Leave reductions in flight across scopes. The config reader turns it on for stage 3 when the
