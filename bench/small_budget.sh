@@ -8,6 +8,8 @@
 # the run) the median step time against max(in-memory step time, the time its NVMe bytes take at
 # the measured speed), and each step's bytes against the documented minimum (docs/offload.md,
 # "The traffic minimum"). The disk is shared and noisy: compare rounds, not single steps.
+# EXTRA adds flags to the offloaded run: EXTRA=--overlap-optimizer fuses the updates into the
+# backward pass, which --clip 0 allows (the fastest setting for this case: docs/offload.md).
 #
 #   bench/small_budget.sh [NVME_DIR]      (env: ZINF=build/cli/zinf, STEPS=6, ROUNDS=3, EXTRA=)
 set -euo pipefail
