@@ -60,7 +60,9 @@ struct Engine::Impl {
     if (Status behind = settle_behind(); !behind.is_ok()) return behind;
     if (optimizer.behind_failed()) return finish_behind(info);
     Status local = settle_backward(info);
-    const std::optional<size_t> poisoned = optimizer.take_nonfinite_before_any_update();
+    // (Kept until the skip: a step() that fails before it leaves the step to the next call.)
+    if (auto unit = optimizer.take_nonfinite_before_any_update()) nonfinite_unit = unit;
+    const std::optional<size_t> poisoned = nonfinite_unit;
     if (!e.sticky.is_ok()) {  // a scope's end could not issue its reduction: gradients missing
       if (local.is_ok()) local = std::move(e.sticky);
       e.sticky = Status();
@@ -185,6 +187,9 @@ struct Engine::Impl {
   // The norm of this step's gradients once every rank computed its partial, until the step
   // commits or is skipped (see step()).
   std::optional<GlobalNorm> agreed_norm;
+  // The unit whose non-finite gradient the step's first fused update met (one rank), until the
+  // step is skipped (OptimizerPipeline::take_nonfinite_before_any_update()).
+  std::optional<size_t> nonfinite_unit;
   Result<GlobalNorm> global_norm(Status& local) {
     GlobalNorm norm;
     if (e.s.gradient_clipping > 0 || checks_nonfinite()) {
@@ -235,6 +240,7 @@ struct Engine::Impl {
   // down; that many in a row fail the step, naming it.
   Status skip(StepInfo& info, const std::string& what) {
     agreed_norm.reset();
+    nonfinite_unit.reset();
     const bool counts = scaler.at_floor();
     info.skipped = true;
     scaler.on_overflow();

@@ -162,16 +162,16 @@ void OptimizerPipeline::set_plan(const sched::SubGroupPlan& plan, uint64_t accum
           : *std::max_element(group_state_bytes_.begin(), group_state_bytes_.end());
   uint64_t beside = params_held + e_.sizes.host_home_bytes + e_.staging_total + largest_state;
   if (updates_early()) {
-    // Fused into the backward pass, with the shards left on the device (params_stay_on_device():
-    // otherwise the next forward pass reads every shard from NVMe, and the state written or read
-    // under it would hold those reads up; then no state is left behind: write_behind_from() is
-    // past the walk), the last units' state stays dirty while the pass goes on
-    // (written under the next forward pass, which moves nothing else): beside it, the units
-    // still to be updated hold two parameter copies (cpu_update_bytes), the accumulator being
-    // updated and the one being filled, and two groups' state (the one updated, the next read).
-    beside = e_.sizes.cpu_update_bytes + 2 * e_.sizes.largest_unit_elements * 4 +
-             e_.sizes.host_home_bytes + e_.staging_total + 2 * largest_state;
-    if (!params_stay_on_device()) beside = e_.s.host_mem;
+    // Fused into the backward pass, the last units' state stays dirty while the pass goes on, to
+    // be written under the next forward pass. Beside it, the units still to be updated hold two
+    // parameter copies (cpu_update_bytes), the accumulator being updated and the one being
+    // filled, and two groups' state (the one updated, the next read). Only with the shards left
+    // on the device: otherwise the next forward pass reads every shard from NVMe, and writes
+    // under it would hold those reads up (no room: write_behind_from() is past the walk).
+    beside = params_stay_on_device()
+                 ? e_.sizes.cpu_update_bytes + 2 * e_.sizes.largest_unit_elements * 4 +
+                       e_.sizes.host_home_bytes + e_.staging_total + 2 * largest_state
+                 : e_.s.host_mem;
   }
   write_behind_room_ = beside < e_.s.host_mem ? e_.s.host_mem - beside : 0;
 }
