@@ -156,11 +156,10 @@ void OptimizerPipeline::set_plan(const sched::SubGroupPlan& plan, uint64_t accum
   // By the walk's end every accumulator is spent: the state of its last groups may stay dirty
   // until the next backward pass (write_behind()) in the room left beside the kept state (taken
   // off in write_behind_from()), the parameters as above and the next group's reads.
-  const uint64_t largest_state =
-      group_state_bytes_.empty()
-          ? 0
-          : *std::max_element(group_state_bytes_.begin(), group_state_bytes_.end());
-  uint64_t beside = params_held + e_.sizes.host_home_bytes + e_.staging_total + largest_state;
+  largest_state_ = group_state_bytes_.empty()
+                       ? 0
+                       : *std::max_element(group_state_bytes_.begin(), group_state_bytes_.end());
+  uint64_t beside = params_held + e_.sizes.host_home_bytes + e_.staging_total + largest_state_;
   if (updates_early()) {
     // Fused into the backward pass, the last units' state stays dirty while the pass goes on, to
     // be written under the next forward pass. Beside it, the units still to be updated hold two
@@ -170,7 +169,7 @@ void OptimizerPipeline::set_plan(const sched::SubGroupPlan& plan, uint64_t accum
     // under it would hold those reads up (no room: write_behind_from() is past the walk).
     beside = params_stay_on_device()
                  ? e_.sizes.cpu_update_bytes + 2 * e_.sizes.largest_unit_elements * 4 +
-                       e_.sizes.host_home_bytes + e_.staging_total + 2 * largest_state
+                       e_.sizes.host_home_bytes + e_.staging_total + 2 * largest_state_
                  : e_.s.host_mem;
   }
   write_behind_room_ = beside < e_.s.host_mem ? e_.s.host_mem - beside : 0;
@@ -578,15 +577,14 @@ void OptimizerPipeline::after_commit() {
   // as two of the largest groups (the room the pass's updates need anyway), clean copies only
   // giving way.
   if (!e_.s.pipeline_read || !params_stay_on_device() || !e_.sched->following() ||
-      group_state_bytes_.empty()) {
+      largest_state_ == 0) {
     return;
   }
-  const uint64_t largest = *std::max_element(group_state_bytes_.begin(), group_state_bytes_.end());
   std::vector<std::pair<TensorId, Tier>> reads;
   uint64_t bytes = 0;
   for (size_t r = 0; r < walk_.size(); ++r) {
     bytes += group_state_bytes_[walk_[r]];
-    if (bytes > 2 * largest) break;
+    if (bytes > 2 * largest_state_) break;
     for (size_t pi : groups_[walk_[r]]) append_reads(pi, reads, /*with_params=*/false);
   }
   if (!reads.empty()) e_.store->prefetch_in_order(std::move(reads), PrefetchRoom::kCleanOnly);
@@ -653,7 +651,7 @@ void OptimizerPipeline::start_early_update(size_t u) {
         if (k == 0) prefetch_piece(mine[0]);
         if (k + 1 < mine.size()) prefetch_piece(mine[k + 1]);
         if (k == 0) {
-          for (size_t pi : next) prefetch_state(pi);
+          for (size_t pi : next) prefetch_state(pi, PrefetchRoom::kCleanOnly);
         }
       }
       ZINF_RETURN_IF_ERROR(update_piece(mine[k], args, adam, keep));
@@ -819,19 +817,20 @@ bool OptimizerPipeline::refresh_device_copy(size_t u, uint64_t next_use) {
 
 // Starts bringing a piece's optimizer state (and its unit's parameters) to where the update runs.
 void OptimizerPipeline::prefetch_piece(size_t pi, PrefetchRoom room) {
+  prefetch_state(pi, room);
   const PieceState& p = e_.pieces[pi];
   const UnitState& st = e_.unit_states[p.unit];
   const Tier tier = EngineState::compute_tier(st);
-  for (TensorId id : {p.m, p.v, p.master, st.params, p.acc}) {
+  for (TensorId id : {st.params, p.acc}) {
     if (id != kNoTensor) e_.store->prefetch(id, tier, room);
   }
 }
 
-void OptimizerPipeline::prefetch_state(size_t pi) {
+void OptimizerPipeline::prefetch_state(size_t pi, PrefetchRoom room) {
   const PieceState& p = e_.pieces[pi];
   const Tier tier = EngineState::compute_tier(e_.unit_states[p.unit]);
   for (TensorId id : {p.m, p.v, p.master}) {
-    if (id != kNoTensor) e_.store->prefetch(id, tier, PrefetchRoom::kCleanOnly);
+    if (id != kNoTensor) e_.store->prefetch(id, tier, room);
   }
 }
 

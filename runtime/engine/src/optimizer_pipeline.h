@@ -162,9 +162,8 @@ class OptimizerPipeline {
               const std::function<void(size_t)>& done = {}, const Keep& keep = {});
   std::vector<size_t> first_use_;  // per unit, its first use in the recorded trace (plan_walk)
   void prefetch_piece(size_t pi, PrefetchRoom room = PrefetchRoom::kAny);
-  // Starts bringing a piece's optimizer state (not its parameters or accumulator) to where the
-  // update runs, into room clean copies give.
-  void prefetch_state(size_t pi);
+  // prefetch_piece() without the parameters and the accumulator: the piece's m, v (and master).
+  void prefetch_state(size_t pi, PrefetchRoom room);
   // After unit u's update fused into the backward pass: its device copy made current again from
   // the host's, for the next forward pass (its use at tick `next_use`, when known: not 0). False
   // when the device had no room (nothing changed).
@@ -196,6 +195,7 @@ class OptimizerPipeline {
   std::vector<size_t> walk_;                 // the order step() walks the groups in
   std::vector<size_t> walk_rank_;            // per piece, its group's place in walk_
   std::vector<uint64_t> group_state_bytes_;  // per group, the host bytes of m, v (and master)
+  uint64_t largest_state_ = 0;               // the largest of those
   uint64_t state_room_ = 0;  // host room for state kept across a step (see set_plan())
   // Host room, once the walk has spent every accumulator, for the state kept across a step and
   // the state left dirty until the next backward pass (see set_plan()).
