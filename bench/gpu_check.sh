@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one prepared run for a machine with a GPU (issue 13, docs/gpu.md). It:
+# The GPU checks in one run, for a machine with a CUDA GPU (docs/gpu.md). It:
 #  1. builds zinf with CUDA for this GPU (only the targets it runs);
 #  2. runs the `gpu` tests: every CudaDevice operation against the CPU device bit for bit, every
 #     GPT layer and the whole GpuModel against the CPU model element by element, the NCCL
@@ -12,8 +12,8 @@
 #     model's compute) at stage 3 with parameters and optimizer on NVMe, in fp32 and in bf16,
 #     and in bf16 with everything in GPU memory (the compute rate without NVMe);
 # and prints one JSON object. Each phase has a time limit of its own, so a hang in one still
-# leaves the summary. Needs the project's packages (make deps, or bench/gpu_deps.sh's carried
-# copies) and nvcc; meant to finish in under 8 minutes on one H200.
+# leaves the summary. Needs the project's packages (make deps, or the .gpudeps/ folder that
+# bench/gpu_deps.sh fills on another machine) and nvcc; meant to finish in under 8 minutes on one H200.
 #
 #   bash bench/gpu_check.sh [BUILD_DIR]
 #   env: STEPS=6 MODEL=gpt2-124m SEQ=256 BATCH=8 CUDA_ARCH=native

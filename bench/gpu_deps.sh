@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# Prepares bench/gpu_check.sh for a GPU machine that cannot install packages (the `device` tool's
-# machines reach no network): downloads here, into .gpudeps/ (ignored by git), the Debian packages
-# zinf's CUDA build needs beyond CUDA, CMake and ninja, and the fortunes corpus the GPT trains on,
-# about 27 MB. Carry `.gpudeps` with the
-# run; gpu_check.sh unpacks them into a prefix of its own (dpkg -x, nothing installed) and builds
-# against it, without MPI and Gloo.
+# Prepares bench/gpu_check.sh for a GPU machine that cannot install packages (no network):
+# downloads, on a machine that can, into .gpudeps/ (ignored by git) the Debian packages zinf's
+# CUDA build needs beyond CUDA, CMake and ninja, and the fortunes corpus the GPT trains on, about
+# 27 MB. Copy the checkout with .gpudeps/ to the GPU machine; gpu_check.sh unpacks them into a
+# prefix of its own (dpkg -x, nothing installed) and builds against it, without MPI and Gloo.
 #
 #   bash bench/gpu_deps.sh            then, on the GPU machine: bash bench/gpu_check.sh
 set -euo pipefail
