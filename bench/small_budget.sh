@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The small-budget case (docs/measurements.md): a 101 M-parameter GPT (--layers 8 --dim 1024 --heads 16 --seq 64
-# --batch 1; 48 MiB units), stage 3, one rank, parameters and optimizer state on NVMe, 512 MiB
-# device and host budgets, no gradient clipping (--clip 0), with the defaults otherwise. Each of
+# The small-budget case (docs/measurements.md): a 101 M-parameter GPT (--layers 8 --dim 1024
+# --heads 16 --seq 64 --batch 1; 48 MiB units), stage 3, one rank, parameters and optimizer state
+# on NVMe, 512 MiB device and host budgets, no gradient clipping (--clip 0), with the defaults
+# otherwise. Each of
 # ROUNDS rounds runs it for STEPS steps, measures the disk right after (`zinf bench io`, 1 MiB
 # requests, queue depth 8: the engine's I/O settings), then runs the same model in memory, and
 # prints for steps 2..STEPS-1 (the first has no recorded order; the last one's update ends with
