@@ -2,9 +2,9 @@
 # The small-budget case (docs/measurements.md): a 101 M-parameter GPT (--layers 8 --dim 1024
 # --heads 16 --seq 64 --batch 1; 48 MiB units), stage 3, one rank, parameters and optimizer state
 # on NVMe, 512 MiB device and host budgets, no gradient clipping (--clip 0), with the defaults
-# otherwise. Each of
-# ROUNDS rounds runs it for STEPS steps, measures the disk right after (`zinf bench io`, 1 MiB
-# requests, queue depth 8: the engine's I/O settings), then runs the same model in memory, and
+# otherwise. Each of ROUNDS rounds runs it for STEPS steps, measures the disk right after (`zinf
+# bench io`, 1 MiB requests, queue depth 8: the engine's I/O settings), then runs the same model
+# in memory, and
 # prints for steps 2..STEPS-1 (the first has no recorded order; the last one's update ends with
 # the run) the median step time against max(in-memory step time, the time its NVMe bytes take at
 # the measured speed), and each step's bytes against the documented minimum (docs/offload.md,
