@@ -109,88 +109,98 @@ uint64_t live_elements_that_fit(const StateSizes& z, DType dtype, uint64_t devic
   return std::max(fit, z.largest_unit_elements);
 }
 
-Budgets choose_budgets(const EngineSettings& s, const StateSizes& z, const MachineMemory& machine,
-                       int ranks_on_machine) {
-  const uint64_t ranks = static_cast<uint64_t>(std::max(ranks_on_machine, 1));
-  const uint64_t wsize = dtype_size(s.dtype);
-  Budgets b;
+namespace {
 
-  // Device: a GPU's own free memory (three quarters: the model's activations and the math
-  // libraries' workspaces live beside the engine's state); the CPU device's memory is this
-  // machine's RAM.
-  const bool gpu = machine.device_free_bytes > 0;
+// Device: a GPU's own free memory (three quarters: the model's activations and the math
+// libraries' workspaces live beside the engine's state); the CPU device's memory is this
+// machine's RAM.
+void choose_device_budget(const EngineSettings& s, const StateSizes& z,
+                          const MachineMemory& machine, uint64_t ranks, Budgets& b) {
   if (s.device_mem > 0) {
     b.device_bytes = s.device_mem;
     b.device_reason = "set";
-  } else {
-    const uint64_t share = gpu ? machine.device_free_bytes / 4 * 3 /
-                                     static_cast<uint64_t>(std::max(machine.ranks_per_device, 1))
-                               : machine.available_bytes / (z.nvme ? 8 : 2) / ranks;
-    // A step's working set beyond the homed state: at least the floor (the persistent units and
-    // the unit being worked on, with reductions in flight); at most, on top, the gathered units
-    // within the live bound and their shards in flight (the scheduler's live bound is then what
-    // fits beside the rest: live_elements_that_fit).
-    const uint64_t least = device_minimum_bytes(z, s.dtype, 2);
-    const uint64_t most =
-        least +
-        static_cast<uint64_t>(
-            with_shard(z) *
-            static_cast<double>(std::min(s.max_live_elements, z.total_unit_elements) * wsize));
-    if (least > share) {
-      b.device_bytes = least;
-      b.device_reason = fmt::format(
-          "the state homed on the device ({}), the persistent units and one unit's working set; "
-          "more than the share of {} ({}): offload parameters or optimizer state to use less",
-          mib(z.device_home_bytes), gpu ? "the GPU's free memory" : "MemAvailable", mib(share));
-    } else if (z.params_offloaded && most <= share) {
-      b.device_bytes = most;
-      b.device_reason = fmt::format(
-          "the live window (stage3_max_live_parameters and 4 of the largest unit) and {} of "
-          "state homed on the device",
-          mib(z.device_home_bytes));
-    } else if (gpu) {
-      b.device_bytes = share;
-      b.device_reason = fmt::format("3/4 of the GPU's free memory over the {} rank(s) sharing it",
-                                    std::max(machine.ranks_per_device, 1));
-    } else {
-      b.device_bytes = share;
-      b.device_reason = fmt::format("{} of MemAvailable over {} rank(s) on this machine",
-                                    z.nvme ? "1/8" : "1/2", ranks);
-    }
+    return;
   }
+  const bool gpu = machine.device_free_bytes > 0;
+  const uint64_t share = gpu ? machine.device_free_bytes / 4 * 3 /
+                                   static_cast<uint64_t>(std::max(machine.ranks_per_device, 1))
+                             : machine.available_bytes / (z.nvme ? 8 : 2) / ranks;
+  // A step's working set beyond the homed state: at least the floor (the persistent units and
+  // the unit being worked on, with reductions in flight); at most, on top, the gathered units
+  // within the live bound and their shards in flight (the scheduler's live bound is then what
+  // fits beside the rest: live_elements_that_fit).
+  const uint64_t least = device_minimum_bytes(z, s.dtype, 2);
+  const uint64_t most =
+      least +
+      static_cast<uint64_t>(
+          with_shard(z) * static_cast<double>(std::min(s.max_live_elements, z.total_unit_elements) *
+                                              dtype_size(s.dtype)));
+  if (least > share) {
+    b.device_bytes = least;
+    b.device_reason = fmt::format(
+        "the state homed on the device ({}), the persistent units and one unit's working set; "
+        "more than the share of {} ({}): offload parameters or optimizer state to use less",
+        mib(z.device_home_bytes), gpu ? "the GPU's free memory" : "MemAvailable", mib(share));
+  } else if (z.params_offloaded && most <= share) {
+    b.device_bytes = most;
+    b.device_reason = fmt::format(
+        "the live window (stage3_max_live_parameters and 4 of the largest unit) and {} of "
+        "state homed on the device",
+        mib(z.device_home_bytes));
+  } else if (gpu) {
+    b.device_bytes = share;
+    b.device_reason = fmt::format("3/4 of the GPU's free memory over the {} rank(s) sharing it",
+                                  std::max(machine.ranks_per_device, 1));
+  } else {
+    b.device_bytes = share;
+    b.device_reason = fmt::format("{} of MemAvailable over {} rank(s) on this machine",
+                                  z.nvme ? "1/8" : "1/2", ranks);
+  }
+}
 
-  // Host: pinned staging and host-homed state, and with NVMe a bounded cache above it.
+// Host: pinned staging and host-homed state, and with NVMe a bounded cache above it.
+void choose_host_budget(const EngineSettings& s, const StateSizes& z, const MachineMemory& machine,
+                        uint64_t ranks, Budgets& b) {
   if (s.host_mem > 0) {
     b.host_bytes = s.host_mem;
     b.host_reason = "set";
-  } else {
-    const uint64_t share = machine.available_bytes / (z.nvme ? 8 : 4) / ranks;
-    const uint64_t floor =
-        z.host_home_bytes + z.staging_bytes + kHostWorkingFloor + z.cpu_update_bytes;
-    if (z.nvme) {
-      const uint64_t cache = std::max(s.param_max_in_cpu * wsize, kHostWorkingFloor);
-      const uint64_t asked = floor - kHostWorkingFloor + cache;
-      b.host_bytes = std::max(std::min(share, asked), floor);
-      b.host_reason =
-          asked <= share
-              ? fmt::format(
-                    "staging ({}) and offload_param.max_in_cpu of cache ({}), plus {} of "
-                    "state homed in host memory",
-                    mib(z.staging_bytes), mib(cache), mib(z.host_home_bytes))
-              : fmt::format(
-                    "1/8 of MemAvailable over {} rank(s) on this machine (NVMe offload: "
-                    "RAM is kept small)",
-                    ranks);
-    } else {
-      b.host_bytes = std::max(share, floor);
-      b.host_reason =
-          share >= floor ? fmt::format("1/4 of MemAvailable over {} rank(s) on this machine", ranks)
-                         : fmt::format(
-                               "the state homed in host memory ({}) and staging; more than the "
-                               "share of MemAvailable ({}): offload to NVMe to use less",
-                               mib(z.host_home_bytes), mib(share));
-    }
+    return;
   }
+  const uint64_t share = machine.available_bytes / (z.nvme ? 8 : 4) / ranks;
+  const uint64_t floor =
+      z.host_home_bytes + z.staging_bytes + kHostWorkingFloor + z.cpu_update_bytes;
+  if (z.nvme) {
+    const uint64_t cache = std::max(s.param_max_in_cpu * dtype_size(s.dtype), kHostWorkingFloor);
+    const uint64_t asked = floor - kHostWorkingFloor + cache;
+    b.host_bytes = std::max(std::min(share, asked), floor);
+    b.host_reason = asked <= share
+                        ? fmt::format(
+                              "staging ({}) and offload_param.max_in_cpu of cache ({}), plus {} of "
+                              "state homed in host memory",
+                              mib(z.staging_bytes), mib(cache), mib(z.host_home_bytes))
+                        : fmt::format(
+                              "1/8 of MemAvailable over {} rank(s) on this machine (NVMe offload: "
+                              "RAM is kept small)",
+                              ranks);
+    return;
+  }
+  b.host_bytes = std::max(share, floor);
+  b.host_reason = share >= floor
+                      ? fmt::format("1/4 of MemAvailable over {} rank(s) on this machine", ranks)
+                      : fmt::format(
+                            "the state homed in host memory ({}) and staging; more than the "
+                            "share of MemAvailable ({}): offload to NVMe to use less",
+                            mib(z.host_home_bytes), mib(share));
+}
+
+}  // namespace
+
+Budgets choose_budgets(const EngineSettings& s, const StateSizes& z, const MachineMemory& machine,
+                       int ranks_on_machine) {
+  const uint64_t ranks = static_cast<uint64_t>(std::max(ranks_on_machine, 1));
+  Budgets b;
+  choose_device_budget(s, z, machine, ranks, b);
+  choose_host_budget(s, z, machine, ranks, b);
   return b;
 }
 

@@ -183,9 +183,8 @@ class Builder {
         unit_elements);
     uint64_t total_unit_elements = 0;
     for (uint64_t n : unit_elements) total_unit_elements += n;
-    e.device_holds_all_params = e.world == 1 && e.policy.sharded_params &&
-                                s.param_home == Tier::kNvme &&
-                                e.sched->options().max_live_elements >= total_unit_elements;
+    e.updates = UpdatePolicy::decide(s, e.policy, e.world,
+                                     e.sched->options().max_live_elements >= total_unit_elements);
 
     // Optimizer sub-groups over the ranges this rank owns.
     std::vector<std::vector<sched::ElementRange>> owned;

@@ -6,14 +6,8 @@
 #include <limits>
 #include <optional>
 
-#include "builder.h"
 #include "checkpoint.h"
-#include "engine_state.h"
-#include "gatherer.h"
-#include "grad_reducer.h"
-#include "loss_scaler.h"
-#include "optimizer_pipeline.h"
-#include "step_agreement.h"
+#include "engine_impl.h"
 #include "zinf/core/log.h"
 #include "zinf/core/trace.h"
 #include "zinf/engine/budgets.h"
@@ -22,268 +16,6 @@ namespace zinf {
 
 using engine_detail::PieceState;
 using engine_detail::UnitState;
-
-// One rank's engine: the shared state and the parts that work on it, each with one job
-// (docs/architecture.md, "The engine's parts").
-struct Engine::Impl {
-  engine_detail::EngineState e;
-  engine_detail::LossScaler scaler;
-  engine_detail::StepAgreement agreement;  // counts into e.comm_now.control_elements
-  engine_detail::OptimizerPipeline optimizer;
-  engine_detail::GradReducer reducer;
-  engine_detail::Gatherer gatherer;
-  int64_t step_calls = 0;           // step() calls so far, this one included: "step N" in errors
-  int64_t skipped_steps = 0;        // skipped for a non-finite gradient norm
-  uint64_t nonfinite_in_a_row = 0;  // the skips since the last committed step that count
-
-  Impl(const EngineSettings& settings, comm::Communicator& c)
-      : e(settings, c),
-        scaler(settings),
-        agreement(c, e.comm_now.control_elements),
-        optimizer(e, scaler),
-        reducer(e, optimizer),
-        gatherer(e, optimizer) {}
-
-  Status build() { return engine_detail::build_engine(e, optimizer); }
-
-  // ---- the step ---------------------------------------------------------------------------------
-  //
-  // A step either happens on every rank or on none. Every rank goes through the same collectives
-  // whatever failed locally (StepAgreement), so no rank is left waiting in a collective the others
-  // skipped; a failure anywhere fails step() everywhere, each rank keeps the pieces it updated,
-  // and the next step() finishes the update on every rank.
-  Status step(StepInfo& info) {
-    if (!e.fatal.is_ok()) return e.fatal;
-    ++step_calls;
-    // The last step's update, when it ran behind step(): it ends first. Failed, it is finished
-    // here (by this call, or by the next one when the failure is met only now).
-    if (Status behind = settle_behind(); !behind.is_ok()) return behind;
-    if (optimizer.behind_failed()) return finish_behind(info);
-    Status local = settle_backward(info);
-    // (Kept until the skip: a step() that fails before it leaves the step to the next call.)
-    if (auto unit = optimizer.take_nonfinite_before_any_update()) nonfinite_unit = unit;
-    const std::optional<size_t> poisoned = nonfinite_unit;
-    if (!e.sticky.is_ok()) {  // a scope's end could not issue its reduction: gradients missing
-      if (local.is_ok()) local = std::move(e.sticky);
-      e.sticky = Status();
-    }
-    // A write-back that failed is reported, but the data stays valid in memory (and is written
-    // back later): the step goes on.
-    Status writeback = e.finish_evictions();
-    if (Status behind = optimizer.take_behind_writeback(); writeback.is_ok()) {
-      writeback = std::move(behind);
-    }
-    if (local.is_ok()) local = optimizer.zero_untouched_accumulators();
-    // A step() that finishes an update left incomplete uses the norm every rank agreed on: the
-    // accumulators of the pieces already updated are spent (dropped unwritten) by now.
-    Result<GlobalNorm> exchanged = GlobalNorm{};
-    if (agreed_norm) {
-      exchanged = *agreed_norm;
-      exchanged->ok &= local.is_ok();
-    } else {
-      exchanged = global_norm(local);
-    }
-    if (!exchanged.is_ok()) {  // the exchange itself failed: nothing was updated anywhere
-      e.update_incomplete = true;
-      return exchanged.status();
-    }
-    const GlobalNorm norm = *exchanged;
-    if (norm.ok) agreed_norm = norm;
-    info.grad_norm = norm.ok ? std::sqrt(norm.sum_squares) : 0;
-    if (poisoned) info.grad_norm = std::numeric_limits<double>::quiet_NaN();  // (not taken)
-    // A non-finite norm (fp16: an overflow) skips the update, in every precision. Every rank sees
-    // the same partials and decides the same. Fused into the backward pass (no norm), so does a
-    // non-finite gradient met before any unit was updated (one rank).
-    const bool overflow =
-        norm.ok && ((checks_nonfinite() && !std::isfinite(norm.sum_squares)) || poisoned);
-    if (norm.ok && !overflow) {
-      const kernels::AdamStepArgs args{
-          .step = e.steps + 1,
-          .grad_scale = optimizer.combined_scale() * clip_coef(info.grad_norm)};
-      if (optimizer.updates_behind()) {
-        optimizer.start_behind(args);  // (one rank: nothing to agree on before it runs)
-      } else {
-        local = optimizer.update(args, writeback);
-      }
-    }
-    // A non-finite gradient met by an update fused into the backward pass: units updated before
-    // it cannot be taken back, so no retry can make this step whole. Every rank stops.
-    const bool fatal = local.code() == ErrorCode::kNonFinite && optimizer.updates_early();
-    bool fatal_elsewhere = false;
-    if (Status agreed = agreement.agree(std::move(local), fatal, &fatal_elsewhere);
-        !agreed.is_ok()) {
-      e.update_incomplete = true;  // the next step() finishes it
-      if (fatal || fatal_elsewhere || agreed.code() == ErrorCode::kNonFinite) e.fatal = agreed;
-      return agreed;
-    }
-    e.update_incomplete = false;
-    if (overflow) {
-      const std::string what =
-          poisoned ? fmt::format(
-                         "unit {} has a non-finite gradient (met by the step's first "
-                         "update, fused into the backward pass, before any other)",
-                         e.units[*poisoned].name)
-                   : fmt::format("the global gradient norm is {}",
-                                 std::isnan(norm.sum_squares) ? "NaN" : "infinite");
-      Status stop = skip(info, what);
-      return stop.is_ok() ? writeback : stop;
-    }
-    Status committed = commit(info);
-    return writeback.is_ok() ? committed : writeback;
-  }
-
-  // The update of the last step when it runs behind step() (update_behind): waits for it. A
-  // failure leaves that step incomplete (finish_behind() completes it).
-  Status settle_behind() {
-    if (!optimizer.behind_pending()) return Status::ok();
-    Status st = optimizer.wait_behind();
-    if (!st.is_ok()) e.update_incomplete = true;
-    return st;
-  }
-
-  // A step() after an update behind failed: what the walk did not update is updated now, with
-  // the step's own hyperparameters. The pass begun since (up to the gather that met the
-  // failure) is settled and its gradients are dropped: its micro-steps have to run again.
-  Status finish_behind(StepInfo& info) {
-    (void)settle_backward(info);  // its reductions and gathered units (its gradients are dropped)
-    Status writeback = e.finish_evictions();
-    if (Status behind = optimizer.take_behind_writeback(); writeback.is_ok()) {
-      writeback = std::move(behind);
-    }
-    ZINF_RETURN_IF_ERROR(optimizer.finish_behind(writeback));
-    optimizer.commit();
-    e.update_incomplete = false;
-    info.step = e.steps;
-    info.loss_scale = scaler.scale();
-    info.skipped_steps = skipped_steps;
-    Status end = e.finish_evictions();
-    return writeback.is_ok() ? end : writeback;
-  }
-
-  // Settles what the backward pass left in flight — reductions, overlapped updates, gathered
-  // units — and closes the step in the scheduler.
-  Status settle_backward(StepInfo& info) {
-    Status st = reducer.drain();
-    if (Status w = optimizer.wait_early(); st.is_ok()) st = std::move(w);
-    gatherer.drop_all();
-    e.schedule_now.following = e.sched->following();  // of the step that ends here
-    if (!e.sched->on_step_end()) {
-      log::warn_once("engine:trace-short",
-                     "a step used fewer units than the recorded one; re-recording (reported once)");
-    }
-    optimizer.plan_walk();
-    info.units_updated_early = optimizer.take_units_updated_early();
-    for (UnitState& u : e.unit_states) u.final_issued = false;
-    return st;
-  }
-
-  // The global gradient norm from every rank's partial sum of squares, added in rank order; one
-  // pass also gives fp16's overflow check (the sum is non-finite exactly when a gradient is).
-  // `local` failed: this rank sends the failure sentinel instead of its partial.
-  struct GlobalNorm {
-    bool ok = true;  // every rank computed its partial (and `local` is ok)
-    double sum_squares = 0;
-  };
-  // The norm of this step's gradients once every rank computed its partial, until the step
-  // commits or is skipped (see step()).
-  std::optional<GlobalNorm> agreed_norm;
-  // The unit whose non-finite gradient the step's first fused update met (one rank), until the
-  // step is skipped (OptimizerPipeline::take_nonfinite_before_any_update()).
-  std::optional<size_t> nonfinite_unit;
-  Result<GlobalNorm> global_norm(Status& local) {
-    GlobalNorm norm;
-    if (e.s.gradient_clipping > 0 || checks_nonfinite()) {
-      const float factor = optimizer.combined_scale();
-      if (e.policy.owns_every_shard) {
-        // Every rank holds every shard: compute each rank's partial exactly as that rank would.
-        for (int r = 0; r < e.world && local.is_ok(); ++r) {
-          auto p = optimizer.partial_sum_squares(r, factor);
-          if (p.is_ok()) {
-            norm.sum_squares += *p;
-          } else {
-            local = p.status();
-          }
-        }
-      } else {
-        double mine = engine_detail::StepAgreement::kFailed;
-        if (local.is_ok()) {
-          auto p = optimizer.partial_sum_squares(e.rank, factor);
-          if (p.is_ok()) {
-            mine = *p;
-          } else {
-            local = p.status();
-          }
-        }
-        ZINF_ASSIGN_OR_RETURN(std::vector<double> all, agreement.exchange_partials(mine));
-        for (double p : all) {
-          norm.ok &= !(p < 0);  // the failure sentinel (an overflow's NaN or inf is not one)
-          norm.sum_squares += p;
-        }
-      }
-    }
-    norm.ok &= local.is_ok();
-    return norm;
-  }
-
-  // Global-norm clipping: the factor the gradients are multiplied by (1 when not clipped).
-  float clip_coef(double grad_norm) const {
-    if (e.s.gradient_clipping <= 0 || grad_norm <= e.s.gradient_clipping) return 1.0f;
-    return static_cast<float>(e.s.gradient_clipping / (grad_norm + 1e-6));
-  }
-
-  // Whether step() looks at the global norm before updating. Always, except where updates start
-  // during the backward pass (overlap_optimizer without clipping or fp16), before the norm exists.
-  bool checks_nonfinite() const { return !optimizer.updates_early(); }
-
-  // A non-finite gradient norm on some rank: no update, the gradients are dropped; fp16's loss
-  // scale goes down. The skip counts towards max_nonfinite_steps unless the scale can still go
-  // down; that many in a row fail the step, naming it.
-  Status skip(StepInfo& info, const std::string& what) {
-    agreed_norm.reset();
-    nonfinite_unit.reset();
-    const bool counts = scaler.at_floor();
-    info.skipped = true;
-    scaler.on_overflow();
-    optimizer.discard();
-    info.loss_scale = scaler.scale();
-    info.step = e.steps;
-    ++skipped_steps;
-    if (counts) ++nonfinite_in_a_row;
-    info.skipped_steps = skipped_steps;
-    info.nonfinite_in_a_row = nonfinite_in_a_row;
-    log::warn_once("engine:nonfinite",
-                   fmt::format("step {}: {}; the step is skipped (reported once; "
-                               "StepInfo::skipped_steps counts them)",
-                               step_calls, what));
-    const uint64_t limit = e.s.max_nonfinite_steps;
-    if (limit == 0 || nonfinite_in_a_row < limit) return Status::ok();
-    return make_error(
-        ErrorCode::kNonFinite,
-        "step {}: {} in {} steps in a row "
-        "(max_nonfinite_steps = {}{}); stopping: the parameters are those of optimizer step {} "
-        "(lower the learning rate, check the data or the loss scale, or resume from a checkpoint)",
-        step_calls, what, nonfinite_in_a_row, limit,
-        scaler.checks_overflow() ? ", counted at the minimum fp16 loss scale" : "", e.steps);
-  }
-
-  // Updated on every rank: the next step starts from here.
-  Status commit(StepInfo& info) {
-    agreed_norm.reset();
-    ++e.steps;
-    nonfinite_in_a_row = 0;
-    info.skipped_steps = skipped_steps;
-    optimizer.commit();
-    Status shared;
-    if (e.policy.share_updated_params) shared = gatherer.share_updated_parameters();
-    scaler.on_good_step();
-    info.step = e.steps;
-    info.loss_scale = scaler.scale();
-    // An update running behind waits for its own write-backs (wait_behind() reports them).
-    Status end = optimizer.behind_pending() ? Status() : e.finish_evictions();
-    optimizer.after_commit();
-    return shared.is_ok() ? end : shared;
-  }
-};
 
 // ---- UnitScope ----------------------------------------------------------------------------------
 
@@ -425,7 +157,7 @@ Engine::~Engine() {
   if (!impl_) return;
   (void)impl_->settle_behind();
   (void)impl_->reducer.drain();
-  (void)impl_->optimizer.wait_early();
+  (void)impl_->optimizer.fused().wait();
   impl_->gatherer.drop_all();  // waits for all-gathers still writing into gathered buffers
   // After a failure some reductions may still be in flight: their buffers belong to the
   // communicator until their Work completes.
@@ -523,7 +255,7 @@ Status Engine::step() {
   StepInfo info;
   Status st = impl_->step(info);
   // This call's update ended here, unless it runs on behind it (its entry comes when waited for).
-  if (!impl_->optimizer.behind_pending()) {
+  if (!impl_->optimizer.behind().pending()) {
     e.record_update_end(e.store->stats(), std::chrono::steady_clock::now());
   }
   last_step_ = info;
@@ -552,7 +284,7 @@ Status Engine::set_lr(float lr) {
     return make_error(ErrorCode::kInvalidArgument,
                       "set_lr: expected a finite learning rate >= 0, got {}", lr);
   }
-  if (impl_->optimizer.early_updates_started()) return refuse_mid_step("set_lr");
+  if (impl_->optimizer.fused().started()) return refuse_mid_step("set_lr");
   impl_->e.s.adam.lr = lr;
   settings_.adam.lr = lr;
   return Status::ok();
@@ -563,7 +295,7 @@ Status Engine::set_betas(float beta1, float beta2) {
     return make_error(ErrorCode::kInvalidArgument,
                       "set_betas: expected two numbers in [0, 1), got [{}, {}]", beta1, beta2);
   }
-  if (impl_->optimizer.early_updates_started()) return refuse_mid_step("set_betas");
+  if (impl_->optimizer.fused().started()) return refuse_mid_step("set_betas");
   impl_->e.s.adam.beta1 = beta1;
   impl_->e.s.adam.beta2 = beta2;
   settings_.adam.beta1 = beta1;
@@ -618,7 +350,7 @@ NvmeTraffic Engine::nvme_traffic_minimum() const {
   NvmeTrafficInputs in{.dtype = e.s.dtype,
                        .gradient_accumulation_steps = e.s.gradient_accumulation_steps,
                        .clipping = e.s.gradient_clipping > 0,
-                       .update_behind = impl_->optimizer.updates_behind()};
+                       .update_behind = e.updates.behind};
   for (const engine_detail::UnitState& st : e.unit_states) {
     if (e.s.param_home == Tier::kNvme) {
       in.param_elements += e.policy.param_elements(st.layout);
@@ -647,7 +379,7 @@ Result<std::vector<float>> Engine::full_parameters(size_t unit) {
   }
   ZINF_RETURN_IF_ERROR(impl_->settle_behind());
   ZINF_RETURN_IF_ERROR(impl_->reducer.drain());
-  ZINF_RETURN_IF_ERROR(impl_->optimizer.wait_early());
+  ZINF_RETURN_IF_ERROR(impl_->optimizer.fused().wait());
   UnitState& st = e.unit_states[unit];
   const auto& l = st.layout;
   std::vector<float> full(l.numel_padded);

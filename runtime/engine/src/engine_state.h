@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "stage_policy.h"
+#include "update_policy.h"
 #include "zinf/core/trace.h"
 #include "zinf/engine/engine.h"
 #include "zinf/io/io_engine.h"
@@ -59,10 +60,10 @@ struct UnitState {
   bool gather_in_flight = false;
   trace::Clock::time_point gather_issued;
   bool used_since_gather = false;  // for the schedule report
-  // OptimizerPipeline: the unit's gradients are final for this step (its last use in the
-  // recorded order has been reduced; known only while the step follows the trace).
+  // The unit's gradients are final for this step (its last use in the recorded order has been
+  // reduced; known only while the step follows the trace).
   bool grads_final = false;
-  // overlap_optimizer: its final reduction of the step was issued and its update goes to the
+  // Fused updates: its final reduction of the step was issued and its update goes to the
   // optimizer worker once the reduction completes; the unit must not be used again this step.
   bool final_issued = false;
 };
@@ -130,15 +131,8 @@ struct EngineState {
   // A failure the engine cannot go on from (a non-finite gradient met by updates fused into the
   // backward pass): every later step() and gather returns it.
   Status fatal;
-  // Units are updated during the backward pass, as soon as their gradients are final
-  // (OptimizerPipeline::updates_early(); fixed for the run).
-  bool updates_early = false;
-  // One rank, sharded parameters homed on NVMe (homed on the host, their host copy never gives
-  // way), and the scheduler's live bound (what the device budget holds beside the step's working
-  // set) takes every unit at once: the device has room to keep every unit's parameters between
-  // passes (OptimizerPipeline::params_stay_on_device).
-  bool device_holds_all_params = false;
-  Status sticky;  // an error from a scope's destructor, reported by the next call
+  UpdatePolicy updates;  // how updates are scheduled against the passes (decided by build())
+  Status sticky;         // an error from a scope's destructor, reported by the next call
 
   // A window through which the communicator reaches [data, data + bytes) of device memory
   // (Device::comm_window): a host-side communicator works at the window's data(); NCCL reaches

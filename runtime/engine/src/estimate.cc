@@ -53,102 +53,132 @@ std::string shortfall(const EstimateRow& row, const Hardware& hw) {
   return "";
 }
 
-Result<EstimateRow> estimate_row(const Placement& p, const std::vector<uint64_t>& unit_elements,
-                                 const EngineSettings& base, const Hardware& hw,
-                                 const MachineMemory& machine, const StagingBuffers& buffers) {
-  const int world = hw.gpus_per_node * hw.nodes;
-  EngineSettings s = base;
-  s.stage = p.stage;
-  s.param_home = p.param_home;
-  s.optimizer_home = p.optimizer_home;
-  // As the config reader sets it: the parameter block's buffers when parameters are offloaded.
-  s.staging_buffers = p.param_home != Tier::kDevice ? buffers.param : buffers.optimizer;
-  if (hw.gpu_mem > 0) s.device_mem = hw.gpu_mem;
-  const StagePolicy policy = StagePolicy::for_stage(p.stage);
+// One placement's settings, layouts and sizes, as the engine would build them.
+struct RowSetup {
+  EngineSettings s;
+  StagePolicy policy;
+  int world = 1;
   std::vector<zero::ShardLayout> layouts;
+  StateSizes z;
+  Budgets budgets;
+  uint64_t owned = 0, rank_params = 0;  // elements of optimizer state and parameters per rank
+};
+
+Result<RowSetup> row_setup(const Placement& p, const std::vector<uint64_t>& unit_elements,
+                           const EngineSettings& base, const Hardware& hw,
+                           const MachineMemory& machine, const StagingBuffers& buffers) {
+  RowSetup r{
+      .s = base, .policy = StagePolicy::for_stage(p.stage), .world = hw.gpus_per_node * hw.nodes};
+  r.s.stage = p.stage;
+  r.s.param_home = p.param_home;
+  r.s.optimizer_home = p.optimizer_home;
+  // As the config reader sets it: the parameter block's buffers when parameters are offloaded.
+  r.s.staging_buffers = p.param_home != Tier::kDevice ? buffers.param : buffers.optimizer;
+  if (hw.gpu_mem > 0) r.s.device_mem = hw.gpu_mem;
   for (size_t u = 0; u < unit_elements.size(); ++u) {
     zero::UnitSpec spec{
         .name = fmt::format("unit{}", u),
         .params = {{.name = "w", .shape = {static_cast<int64_t>(unit_elements[u])}}}};
-    ZINF_ASSIGN_OR_RETURN(zero::ShardLayout l, zero::make_shard_layout(spec, world, s.dtype));
-    layouts.push_back(std::move(l));
+    ZINF_ASSIGN_OR_RETURN(zero::ShardLayout l, zero::make_shard_layout(spec, r.world, r.s.dtype));
+    r.layouts.push_back(std::move(l));
   }
-  const std::vector<Tier> opt_homes = engine_detail::optimizer_homes(s, layouts);
-  const StateSizes z = engine_detail::measure_state(s, policy, layouts, opt_homes, world);
-  const Budgets budgets = choose_budgets(s, z, machine, hw.gpus_per_node);
-
-  const uint64_t w = dtype_size(s.dtype);
-  const bool mixed = s.dtype != DType::kF32;
-  const uint64_t T = z.total_unit_elements;
-  const uint64_t L = z.largest_unit_elements;
-  const uint64_t L_shard = L / static_cast<uint64_t>(world);
-  uint64_t owned = 0, rank_params = 0;
-  for (const auto& l : layouts) {
-    owned += policy.owned_elements(l);
-    rank_params += policy.param_elements(l);
+  const std::vector<Tier> opt_homes = engine_detail::optimizer_homes(r.s, r.layouts);
+  r.z = engine_detail::measure_state(r.s, r.policy, r.layouts, opt_homes, r.world);
+  r.budgets = choose_budgets(r.s, r.z, machine, hw.gpus_per_node);
+  for (const auto& l : r.layouts) {
+    r.owned += r.policy.owned_elements(l);
+    r.rank_params += r.policy.param_elements(l);
   }
+  return r;
+}
 
-  EstimateRow row{.placement = p};
-  // Device: the unit being worked on (its gradient buffer; the reduced shard in flight; at
-  // stage 3 with offloaded parameters, the shard being gathered) and, at stage 3, the live window.
-  // With one rank the shard is the unit, gathered and reduced in place: no shard beside it.
-  const uint64_t shard_beside = world > 1 ? L_shard * w : 0;
+// Device: the unit being worked on (its gradient buffer; the reduced shard in flight; at stage 3
+// with offloaded parameters, the shard being gathered) and, at stage 3, the live window. With one
+// rank the shard is the unit, gathered and reduced in place: no shard beside it.
+void device_bytes(const RowSetup& r, EstimateRow& row) {
+  const Placement& p = row.placement;
+  const uint64_t w = dtype_size(r.s.dtype);
+  const uint64_t T = r.z.total_unit_elements, L = r.z.largest_unit_elements;
+  const uint64_t shard_beside = r.world > 1 ? L / static_cast<uint64_t>(r.world) * w : 0;
   uint64_t working = L * w + (p.stage > 0 ? shard_beside : 0);
   if (p.stage == 3 && p.param_home != Tier::kDevice) working += shard_beside;
-  if (policy.sharded_params) {
-    const uint64_t fit = live_elements_that_fit(z, s.dtype, budgets.device_bytes);
+  if (r.policy.sharded_params) {
+    const uint64_t fit = live_elements_that_fit(r.z, r.s.dtype, r.budgets.device_bytes);
     const uint64_t wanted =
-        s.max_reuse_distance > 0 ? T : std::min(T, L + s.prefetch_bucket_elements);
-    row.live_window_elements = std::max(L, std::min({wanted, s.max_live_elements, fit}));
+        r.s.max_reuse_distance > 0 ? T : std::min(T, L + r.s.prefetch_bucket_elements);
+    row.live_window_elements = std::max(L, std::min({wanted, r.s.max_live_elements, fit}));
   }
-  row.device_bytes = z.device_home_bytes + working + row.live_window_elements * w;
-  row.device_min_bytes = z.device_home_bytes + working + (policy.sharded_params ? L * w : 0);
+  row.device_bytes = r.z.device_home_bytes + working + row.live_window_elements * w;
+  row.device_min_bytes = r.z.device_home_bytes + working + (r.policy.sharded_params ? L * w : 0);
+}
 
-  // Host, per rank: homed state; with the CPU optimizer, the host copies of the parameters it
-  // updates (two of the largest at least; the store keeps them while the budget allows); with
-  // NVMe, staging and the cache of NVMe-homed state; at least what the initialisation leaves in
-  // the pinned pool.
+// Host, per node: homed state; with the CPU optimizer, the host copies of the parameters it
+// updates (two of the largest at least; the store keeps them while the budget allows); with NVMe,
+// staging and the cache of NVMe-homed state; at least what the initialisation leaves in the
+// pinned pool.
+void host_bytes(const RowSetup& r, const Hardware& hw, EstimateRow& row) {
+  const Placement& p = row.placement;
+  const uint64_t w = dtype_size(r.s.dtype);
   const bool opt_off = p.optimizer_home != Tier::kDevice;
-  const bool param_off = p.param_home != Tier::kDevice;
-  const uint64_t cpu_optimizer_min = z.cpu_update_bytes;
-  const uint64_t param_copies = opt_off && p.param_home == Tier::kDevice ? rank_params * w : 0;
-  const uint64_t host_fixed = z.host_home_bytes + z.staging_bytes;
-  const uint64_t room = budgets.host_bytes > host_fixed + cpu_optimizer_min
-                            ? budgets.host_bytes - host_fixed
+  const uint64_t cpu_optimizer_min = r.z.cpu_update_bytes;
+  const uint64_t param_copies = opt_off && p.param_home == Tier::kDevice ? r.rank_params * w : 0;
+  const uint64_t host_fixed = r.z.host_home_bytes + r.z.staging_bytes;
+  const uint64_t room = r.budgets.host_bytes > host_fixed + cpu_optimizer_min
+                            ? r.budgets.host_bytes - host_fixed
                             : cpu_optimizer_min;
-  uint64_t host_rank = host_fixed + std::min(z.nvme_home_bytes + param_copies, room);
+  uint64_t host_rank = host_fixed + std::min(r.z.nvme_home_bytes + param_copies, room);
   // The initialisation holds a unit's host parameter copy and, in mixed precision, its fp32
   // master beside it; the pool keeps those blocks for each distinct unit size.
   std::vector<std::pair<uint64_t, uint64_t>> sizes;  // (parameter, shard) elements
-  for (const auto& l : layouts) sizes.emplace_back(policy.param_elements(l), l.shard_numel);
+  for (const auto& l : r.layouts) sizes.emplace_back(r.policy.param_elements(l), l.shard_numel);
   std::sort(sizes.begin(), sizes.end());
   sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+  const bool mixed = r.s.dtype != DType::kF32;
   uint64_t init_buffers = 0;
   for (const auto& [params, shard] : sizes) {
     init_buffers += align_up(params * w, 4096) + (mixed ? align_up(shard * 4, 4096) : 0);
   }
   host_rank = std::max(host_rank, init_buffers);
-  const uint64_t host_min_rank = host_fixed + cpu_optimizer_min + (z.nvme ? kHostWorkingFloor : 0);
+  const uint64_t host_min_rank =
+      host_fixed + cpu_optimizer_min + (r.z.nvme ? kHostWorkingFloor : 0);
   const auto per_node = static_cast<uint64_t>(hw.gpus_per_node);
   row.host_bytes = host_rank * per_node;
   row.host_min_bytes = host_min_rank * per_node;
-  row.nvme_bytes = z.nvme_home_bytes * per_node;
+  row.nvme_bytes = r.z.nvme_home_bytes * per_node;
+}
 
-  // Traffic per rank per step.
-  row.collective_bytes = (policy.sharded_params ? 3 : 2) * T * w;
-  const uint64_t uses = row.live_window_elements >= T && s.max_reuse_distance > 0 ? 1 : 2;
+// Traffic per rank per step.
+void traffic(const RowSetup& r, EstimateRow& row) {
+  const Placement& p = row.placement;
+  const uint64_t w = dtype_size(r.s.dtype);
+  const uint64_t T = r.z.total_unit_elements;
+  const bool mixed = r.s.dtype != DType::kF32;
+  const bool opt_off = p.optimizer_home != Tier::kDevice;
+  const bool param_off = p.param_home != Tier::kDevice;
+  row.collective_bytes = (r.policy.sharded_params ? 3 : 2) * T * w;
+  const uint64_t uses = row.live_window_elements >= T && r.s.max_reuse_distance > 0 ? 1 : 2;
   const uint64_t opt_state = 8 + 4 + (mixed ? 4 : 0);  // m, v, accumulator, master
-  if (opt_off) row.pcie_bytes += owned * w + (param_off ? 0 : owned * w);
-  if (param_off) row.pcie_bytes += uses * rank_params * w;
+  if (opt_off) row.pcie_bytes += r.owned * w + (param_off ? 0 : r.owned * w);
+  if (param_off) row.pcie_bytes += uses * r.rank_params * w;
   if (p.optimizer_home == Tier::kNvme) {
-    row.nvme_read_bytes += owned * opt_state;
-    row.nvme_write_bytes += owned * opt_state;
+    row.nvme_read_bytes += r.owned * opt_state;
+    row.nvme_write_bytes += r.owned * opt_state;
   }
   if (p.param_home == Tier::kNvme) {
     // fp32: the parameters are the optimizer's master too, read once more for the update.
-    row.nvme_read_bytes += (uses + (mixed ? 0 : 1)) * rank_params * w;
-    row.nvme_write_bytes += rank_params * w;
+    row.nvme_read_bytes += (uses + (mixed ? 0 : 1)) * r.rank_params * w;
+    row.nvme_write_bytes += r.rank_params * w;
   }
+}
+
+Result<EstimateRow> estimate_row(const Placement& p, const std::vector<uint64_t>& unit_elements,
+                                 const EngineSettings& base, const Hardware& hw,
+                                 const MachineMemory& machine, const StagingBuffers& buffers) {
+  ZINF_ASSIGN_OR_RETURN(const RowSetup r, row_setup(p, unit_elements, base, hw, machine, buffers));
+  EstimateRow row{.placement = p};
+  device_bytes(r, row);
+  host_bytes(r, hw, row);
+  traffic(r, row);
   row.why_not = shortfall(row, hw);
   row.fits = row.why_not.empty();
   return row;
@@ -165,6 +195,9 @@ std::string moved(const EstimateRow& r) {
   return fmt::format("{} NVMe, {} PCIe, {} collectives per step", nvme ? bytes(nvme) : "no",
                      r.pcie_bytes ? bytes(r.pcie_bytes) : "no", bytes(r.collective_bytes));
 }
+
+// The row that fits and moves the least, and why (or why nothing fits).
+void recommend(Estimate& est);
 
 }  // namespace
 
@@ -215,6 +248,12 @@ Result<Estimate> estimate(const std::vector<uint64_t>& unit_elements, const Engi
     }
   }
 
+  recommend(est);
+  return est;
+}
+
+namespace {
+void recommend(Estimate& est) {
   std::vector<int> order(est.rows.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
   std::stable_sort(order.begin(), order.end(),
@@ -244,8 +283,8 @@ Result<Estimate> estimate(const std::vector<uint64_t>& unit_elements, const Engi
     est.reason = fmt::format("nothing fits; the smallest choice, {}, falls short: {}",
                              placement_name(least->placement), least->why_not);
   }
-  return est;
 }
+}  // namespace
 
 nlohmann::ordered_json config_fragment(const Placement& p, DType dtype,
                                        const std::string& nvme_path) {

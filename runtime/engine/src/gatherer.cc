@@ -42,9 +42,9 @@ Result<void*> Gatherer::begin_use(size_t u, TensorHandle& resident) {
   if (st.live()) {
     ++(st.used_since_gather ? e_.schedule_now.uses_served_kept : e_.schedule_now.uses_served_ahead);
   } else {
-    if (Status updated = optimizer_.wait_unit(u); !updated.is_ok()) {
+    if (Status updated = optimizer_.behind().wait_unit(u); !updated.is_ok()) {
       // The walk has ended (it failed): the step is incomplete until step() finishes it.
-      (void)optimizer_.wait_behind();
+      (void)optimizer_.behind().wait();
       e_.update_incomplete = true;
       return std::move(updated).with_context(fmt::format(
           "the optimizer update of step {}, which ran behind step() (update_behind), did not "
@@ -61,8 +61,8 @@ Result<void*> Gatherer::begin_use(size_t u, TensorHandle& resident) {
   // With updates fused into backward, the unit's last use of the step is followed by its update,
   // which takes the shard from the host (or, when it stays on the device between passes, copies
   // it from there itself, off this thread).
-  const bool for_update = e_.updates_early && e_.s.param_home == Tier::kNvme &&
-                          !optimizer_.params_stay_on_device() &&
+  const bool for_update = e_.updates.fused && e_.s.param_home == Tier::kNvme &&
+                          !e_.updates.params_stay_on_device &&
                           EngineState::compute_tier(st) == Tier::kHost && e_.sched->following() &&
                           !e_.sched->next_use(u);
   Status mine = finish(u, for_update);
@@ -161,7 +161,7 @@ void Gatherer::drop(size_t u) {
   st.gathered.reset();
   if (st.shard_view) {
     st.shard_view.release();
-    if (optimizer_.params_stay_on_device()) {
+    if (e_.updates.params_stay_on_device) {
       e_.store->set_next_use(st.params, optimizer_.next_walk_tick(u));
     } else {
       e_.release_offloaded(st.params, e_.s.param_home, Tier::kDevice);
@@ -175,7 +175,7 @@ Status Gatherer::plan_ahead() {
   const uint64_t base_tick = static_cast<uint64_t>(e_.steps) * e_.sched->trace().size();
   if (e_.s.param_home != Tier::kDevice) {
     for (size_t u : e_.sched->reads_ahead()) {
-      if (!optimizer_.unit_ready(u)) continue;  // its update is still to write the shard
+      if (!optimizer_.behind().unit_ready(u)) continue;  // its update is still to write the shard
       const UnitState& st = e_.unit_states[u];
       if (auto next = e_.sched->next_use(u)) e_.store->set_next_use(st.params, base_tick + *next);
       e_.store->prefetch(st.params, Tier::kDevice);
@@ -190,7 +190,7 @@ Status Gatherer::plan_ahead() {
   const bool one_wait = e_.comm.world_size() == 1 && e_.s.param_home != Tier::kDevice;
   bool waited = false;
   for (size_t u : e_.sched->gathers_ahead()) {
-    if (!optimizer_.unit_ready(u)) break;  // (one rank only: see OptimizerPipeline)
+    if (!optimizer_.behind().unit_ready(u)) break;  // (one rank only: see BehindWalk)
     if (one_wait &&
         !e_.store->residency(e_.unit_states[u].params).valid[static_cast<int>(Tier::kDevice)]) {
       if (waited) break;  // (in order: nothing after it either)

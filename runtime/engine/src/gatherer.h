@@ -52,7 +52,7 @@ class Gatherer {
   Status finish(size_t u, bool for_update = false);
   void keep_for_update(size_t u);  // that copy to the host (best effort)
   // u is no longer live (with one rank, the shard's device copy goes as finish() lets it go,
-  // or stays for the next update walk: OptimizerPipeline::params_stay_on_device()).
+  // or stays for the next update walk: UpdatePolicy::params_stay_on_device).
   void drop(size_t u);
   Status plan_ahead();  // the reads and all-gathers the trace says come next
 

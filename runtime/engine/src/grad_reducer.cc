@@ -23,12 +23,11 @@ Status GradReducer::issue(size_t u, DeviceBuffer grads) {
   UnitState& st = e_.unit_states[u];
   const auto& l = st.layout;
   const uint64_t wsize = dtype_size(e_.s.dtype);
-  const int world = e_.world, rank = e_.rank;
   Pending p{.unit = u, .grads = std::move(grads)};
   // The unit is not used again in this step, so this reduction completes its gradients.
   p.final = e_.sched->following() && !e_.sched->next_use(u) && st.scopes == 0;
-  if (p.final && optimizer_.updates_early()) st.final_issued = true;
-  if (world == 1) {
+  if (p.final && e_.updates.fused) st.final_issued = true;
+  if (e_.world == 1) {
     // The average over one rank is the gradients as they are: accumulated from the buffer itself,
     // with no collective, no shard and nothing in flight.
     p.received = true;
@@ -43,6 +42,15 @@ Status GradReducer::issue(size_t u, DeviceBuffer grads) {
                                              "reduced gradient shard of " + e_.units[u].name));
     }
   }
+  issue_buckets(p);
+  pending_.push_back(std::move(p));
+  return in_flight_bound();
+}
+
+void GradReducer::issue_buckets(Pending& p) {
+  const auto& l = e_.unit_states[p.unit].layout;
+  const uint64_t wsize = dtype_size(e_.s.dtype);
+  const int world = e_.world, rank = e_.rank;
   const uint64_t bucket = std::max<uint64_t>(e_.s.reduce_bucket_elements, 1);
   // The communicator works in its windows: the gradients (reduced in place at stage 0, read at
   // stages 1-3) and the shard the reduce-scatter writes whole.
@@ -76,8 +84,6 @@ Status GradReducer::issue(size_t u, DeviceBuffer grads) {
       e_.comm_now.grad_reduce_elements += b - a;
     }
   }
-  pending_.push_back(std::move(p));
-  return in_flight_bound();
 }
 
 Status GradReducer::in_flight_bound() {
@@ -109,34 +115,44 @@ Result<bool> GradReducer::finish_front(bool may_defer) {
         fmt::format("reducing the gradients of unit {}", e_.units[unit].name));
   };
   if (!p.received) {
-    trace::Span span(e_.track("comm"), "reduce " + e_.units[unit].name);
-    Status first;
-    for (auto& w : p.works) {
-      Status ws = w.wait();
-      if (first.is_ok() && !ws.is_ok()) first = std::move(ws);
-    }
-    // The reduced gradients reach the device as the windows close.
-    if (Status closed = close_windows(p.windows); first.is_ok()) first = std::move(closed);
-    if (!first.is_ok()) return fail(std::move(first));
-    p.received = true;
+    if (Status got = receive(p); !got.is_ok()) return fail(std::move(got));
   }
-  UnitState& st = e_.unit_states[unit];
-  if (p.direct) {  // the reduce-scatter wrote the accumulator itself
-    const size_t pi = st.pieces.front();
-    optimizer_.forget_sums(pi);
-    if (p.final) {
-      if (Status s = optimizer_.record_sums(pi, p.direct, e_.pieces[pi].acc_base, stream());
-          !s.is_ok()) {
-        return fail(std::move(s));
-      }
-    }
-    p.direct.release();
-    st.acc_zero = false;
-    const bool final = p.final;
-    pending_.pop_front();
-    if (final) optimizer_.on_grads_final(unit);
+  if (!p.direct) {
+    Result<bool> added = accumulate_pieces(p, may_defer);
+    if (!added.is_ok()) return fail(added.status());
+    if (!*added) return false;
+    pop_front(p);
     return true;
   }
+  // The reduce-scatter wrote the accumulator itself.
+  const size_t pi = e_.unit_states[unit].pieces.front();
+  optimizer_.sums().forget(pi);
+  if (p.final) {
+    if (Status s = optimizer_.record_sums(pi, p.direct, e_.pieces[pi].acc_base, stream());
+        !s.is_ok()) {
+      return fail(std::move(s));
+    }
+  }
+  p.direct.release();
+  pop_front(p);
+  return true;
+}
+
+Status GradReducer::receive(Pending& p) {
+  trace::Span span(e_.track("comm"), "reduce " + e_.units[p.unit].name);
+  Status first;
+  for (auto& w : p.works) {
+    Status ws = w.wait();
+    if (first.is_ok() && !ws.is_ok()) first = std::move(ws);
+  }
+  // The reduced gradients reach the device as the windows close.
+  if (Status closed = close_windows(p.windows); first.is_ok()) first = std::move(closed);
+  if (first.is_ok()) p.received = true;
+  return first;
+}
+
+Result<bool> GradReducer::accumulate_pieces(Pending& p, bool may_defer) {
+  UnitState& st = e_.unit_states[p.unit];
   // The first micro-step overwrites the (lazily zero) accumulators without fetching them; with a
   // full accumulator the bytes outside this rank's range are then unspecified, and never read.
   // acc_zero changes only once every piece is in, so a resumed reduction sees what it began with.
@@ -153,7 +169,7 @@ Result<bool> GradReducer::finish_front(bool may_defer) {
           e_.store->acquire(piece.acc, EngineState::compute_tier(st), access);
       if (!got.is_ok()) {
         if (may_defer && got.status().code() == ErrorCode::kOutOfMemory) return false;
-        return fail(got.status());
+        return got.status();
       }
       acc = std::move(*got);
       acc.mark_dirty();
@@ -162,21 +178,24 @@ Result<bool> GradReducer::finish_front(bool may_defer) {
     const char* reduced = p.shard ? static_cast<const char*>(p.shard.data()) +
                                         (piece.begin - st.layout.shard_begin(e_.rank)) * wsize
                                   : static_cast<const char*>(p.grads.data()) + piece.begin * wsize;
-    optimizer_.forget_sums(st.pieces[p.pieces_added]);
-    Status added = accumulate_into(acc, piece.begin - piece.acc_base, reduced,
-                                   piece.end - piece.begin, /*overwrite=*/st.acc_zero);
+    optimizer_.sums().forget(st.pieces[p.pieces_added]);
+    ZINF_RETURN_IF_ERROR(accumulate_into(acc, piece.begin - piece.acc_base, reduced,
+                                         piece.end - piece.begin, /*overwrite=*/st.acc_zero));
     // The unit's last gradient of the step: the piece's sums of squares for the norm, now.
-    if (added.is_ok() && p.final) {
-      added = optimizer_.record_sums(st.pieces[p.pieces_added], acc, piece.acc_base, stream());
+    if (p.final) {
+      ZINF_RETURN_IF_ERROR(
+          optimizer_.record_sums(st.pieces[p.pieces_added], acc, piece.acc_base, stream()));
     }
-    if (!added.is_ok()) return fail(std::move(added));
   }
-  acc.release();
-  st.acc_zero = false;
+  return true;
+}
+
+void GradReducer::pop_front(Pending& p) {
+  e_.unit_states[p.unit].acc_zero = false;
+  const size_t unit = p.unit;
   const bool final = p.final;
   pending_.pop_front();  // frees the gradient buffer and the shard
   if (final) optimizer_.on_grads_final(unit);
-  return true;
 }
 
 TensorHandle GradReducer::direct_accumulator(size_t u) {

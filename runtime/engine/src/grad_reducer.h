@@ -52,6 +52,15 @@ class GradReducer {
   // Completes the front reduction and takes it off the queue. With `may_defer`, an accumulator
   // refused for lack of memory leaves it at the front (returns false) instead of failing.
   Result<bool> finish_front(bool may_defer = false);
+  // issue()'s collectives, bucket by bucket, into the reduction's windows.
+  void issue_buckets(Pending& p);
+  // Waits for the front reduction's collectives and closes its windows; the first failure.
+  Status receive(Pending& p);
+  // Adds the received gradients into the unit's accumulators, piece by piece from where a
+  // deferred reduction stopped; false when deferred (see finish_front).
+  Result<bool> accumulate_pieces(Pending& p, bool may_defer);
+  // Takes the front reduction off the queue; its unit's gradients may then be final.
+  void pop_front(Pending& p);
   // Completes reductions at the front until at most max_reductions_in_flight remain.
   Status in_flight_bound();
   // The unit's accumulator, acquired to be overwritten by the reduce-scatter itself, when that
