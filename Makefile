@@ -1,7 +1,8 @@
 # Thin wrappers over CMake/CTest. `make run` and `make test` install what is missing, configure,
-# build, then run the main job / the test suite. `make test` runs the suite four times: the plain
-# build, the build without MPI and CUDA, the unit and integration tests under ASan+UBSan, and the
-# threaded parts under TSan (docs/testing.md says what runs where and why). `make fuzz` runs the libFuzzer targets.
+# build, then run the main job / the test suite. `make test` is the plain build and every test in
+# it; `make check` (what CI runs) adds the build without MPI, Gloo and CUDA, the unit and
+# integration tests under ASan+UBSan, and the threaded parts under TSan (docs/testing.md says what
+# runs where and why). `make fuzz` runs the libFuzzer targets.
 BUILD_DIR  ?= build
 BUILD_TYPE ?= Release
 ASAN_DIR   ?= build-asan
@@ -12,26 +13,36 @@ FUZZ_SECONDS ?= 60
 JOBS       ?= $(shell nproc)
 SUDO       := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-# Every Debian package the project needs (DESIGN.md, "Dependencies").
+# Every Debian package the build, the tests and the main job need (docs/architecture.md,
+# "Dependencies"); the fuzzers' compiler comes with `make fuzz` only.
 DEPS := build-essential cmake ninja-build pkg-config ccache \
         liburing-dev libtbb-dev libboost-dev libopenmpi-dev openmpi-bin libgloo-dev libopenblas-dev \
         libgtest-dev libgmock-dev libbenchmark-dev \
         nlohmann-json3-dev libcli11-dev libspdlog-dev libfmt-dev libxxhash-dev \
-        fio fortunes gnuplot-nox \
-        clang-14 libclang-rt-14-dev
+        fio fortunes gnuplot-nox
+FUZZ_DEPS := clang-14 libclang-rt-14-dev
 
 ZINF := $(BUILD_DIR)/cli/zinf
 
-.PHONY: deps configure build test test-plain test-nompi test-asan test-tsan fuzz run bench format clean
+.PHONY: deps deps-fuzz configure build test check test-plain test-nompi test-asan test-tsan \
+        fuzz run bench format clean
 
-deps:
-	@missing=$$(for p in $(DEPS); do \
+# Installs the packages of $(1) that are missing (with sudo when not root); nothing when all are.
+define install_missing
+	@missing=$$(for p in $(1); do \
 	    dpkg-query -W -f='$${db:Status-Abbrev}' $$p 2>/dev/null | grep -q '^ii' || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 	  echo "make deps: installing" $$missing; \
 	  $(SUDO) apt-get update -qq && \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
+endef
+
+deps:
+	$(call install_missing,$(DEPS))
+
+deps-fuzz:
+	$(call install_missing,$(FUZZ_DEPS))
 
 $(BUILD_DIR)/build.ninja: | deps
 	cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE)
@@ -41,10 +52,14 @@ configure: deps $(BUILD_DIR)/build.ninja
 build: configure
 	cmake --build $(BUILD_DIR) -j $(JOBS)
 
-test: test-plain test-nompi test-asan test-tsan
-
-test-plain: build
+# The newcomer's command: the plain build (CUDA too when nvcc is found) and every test in it.
+test: build
 	ctest --test-dir $(BUILD_DIR) --output-on-failure -j $(JOBS) --timeout 600
+
+# What CI runs (.ci/run): `make test`, then the three other configurations below.
+check: test test-nompi test-asan test-tsan
+
+test-plain: test
 
 # The build without the optional backends (-DZINF_MPI=OFF -DZINF_GLOO=OFF -DZINF_CUDA=OFF): everything links
 # without them and every test that does not need them passes (the mpi and gpu tests are not
@@ -116,7 +131,7 @@ test-tsan: $(TSAN_DIR)/build.ninja
 # first crash, leak, sanitizer report or timeout; the input that did it is left in $(FUZZ_DIR).
 FUZZ_TARGETS := fuzz_config fuzz_store_frames fuzz_safetensors_read fuzz_safetensors_roundtrip \
                 fuzz_ckpt_manifest
-$(FUZZ_DIR)/build.ninja: | deps
+$(FUZZ_DIR)/build.ninja: | deps deps-fuzz
 	cmake -S . -B $(FUZZ_DIR) $(SAN_CMAKE) -DCMAKE_C_COMPILER=clang-14 \
 	  -DCMAKE_CXX_COMPILER=clang++-14 -DZINF_SANITIZE=address,undefined -DZINF_FUZZ=ON \
 	  -DZINF_MPI=OFF -DZINF_TEST_DIRS=fuzz
