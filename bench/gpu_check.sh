@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one prepared run for a machine with a GPU (issue 13, docs/gpu.md). It:
+# The one prepared run for a machine with a GPU (docs/gpu.md). It:
 #  1. builds zinf with CUDA for this GPU (only the targets it runs);
 #  2. runs the `gpu` tests: every CudaDevice operation against the CPU device bit for bit, every
 #     GPT layer and the whole GpuModel against the CPU model element by element, the NCCL

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The memory ladder of issue 12: one process holding 4 local ranks of a 12-layer, width-768 GPT
+# The memory ladder: one process holding 4 local ranks of a 12-layer, width-768 GPT
 # (gpt2-124m, 86 M parameters), 2 steps, each configuration given as a DeepSpeed config and no
 # budget flags (the engine chooses budgets that fit the machine). Prints, per precision, the peak
 # RSS of each configuration and its ratio to stage 0's, as JSON lines. One sequence of SEQ tokens

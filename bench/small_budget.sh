@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 17's small-budget case: a 101 M-parameter GPT (--layers 8 --dim 1024 --heads 16 --seq 64
+# The small-budget case: a 101 M-parameter GPT (--layers 8 --dim 1024 --heads 16 --seq 64
 # --batch 1; 48 MiB units), stage 3, one rank, parameters and optimizer state on NVMe, 512 MiB
 # device and host budgets, no gradient clipping (--clip 0), with the defaults otherwise. Each of
 # ROUNDS rounds runs it for STEPS steps, measures the disk right after (`zinf bench io`, 1 MiB

@@ -23,7 +23,7 @@ Status cuda_status(cudaError_t err, std::string_view call) {
   return make_error(ErrorCode::kInternal, "{} failed: {}", call, cudaGetErrorString(err));
 }
 
-// Device memory, owned (STYLE.md 6). Grows, never shrinks; contents are not kept on growth.
+// Device memory with one owner. Grows, never shrinks; contents are not kept on growth.
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;
