@@ -655,11 +655,10 @@ Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o
   ZINF_RETURN_IF_ERROR(engine.wait_for_update());
   if (rank == 0) log_ended_steps();
   // Every rank's memory row, for rank 0's table (ranks may be other processes).
-  static_assert(std::is_trivially_copyable_v<MemoryReport> && sizeof(MemoryReport) % 4 == 0);
+  static_assert(std::is_trivially_copyable_v<MemoryReport>);
   const MemoryReport mine = engine.memory_report();
   std::vector<MemoryReport> rows(world);
-  ZINF_RETURN_IF_ERROR(
-      comm.all_gather(&mine, rows.data(), sizeof(MemoryReport) / 4, DType::kF32).wait());
+  ZINF_RETURN_IF_ERROR(comm.all_gather_bytes(&mine, rows.data(), sizeof mine).wait());
   if (rank == 0) {
     std::lock_guard lock(shared.mu);
     shared.memory = std::move(rows);
