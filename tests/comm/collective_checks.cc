@@ -136,6 +136,11 @@ class Sweep {
         for (int root = 0; root < world; ++root) broadcast(dtype, size, root);
       }
     }
+    for (size_t bytes : options_.sizes) {
+      all_gather_bytes(bytes, false);
+      all_gather_bytes(bytes, true);
+      for (int root = 0; root < comm_.world_size(); ++root) broadcast_bytes(bytes, root);
+    }
     barrier();
     return std::move(failures_);
   }
@@ -157,13 +162,18 @@ class Sweep {
   // Waits for `work`, then checks the op's counters moved by exactly the expected amounts.
   bool finish(const Work& work, CollectiveOp op, const std::vector<size_t>& counts, int root,
               DType dtype, const OpCounters& before, const std::string& what) {
+    return finish(work, op, counts, root, dtype_size(dtype), before, what);
+  }
+  bool finish(const Work& work, CollectiveOp op, const std::vector<size_t>& counts, int root,
+              size_t element_bytes, const OpCounters& before, const std::string& what) {
     Status status = work.wait();
     if (!status.is_ok()) {
       fail(fmt::format("{}: {}", what, status.to_string()));
       return false;
     }
     OpCounters got = minus(comm_.counters()[op], before);
-    OpCounters want = expected_counters(op, counts, root, comm_.rank(), comm_.world_size(), dtype);
+    OpCounters want =
+        expected_counters(op, counts, root, comm_.rank(), comm_.world_size(), element_bytes);
     if (!(got == want)) {
       fail(fmt::format("{}: counters {} != expected {}", what, describe(got), describe(want)));
     }
@@ -291,6 +301,53 @@ class Sweep {
     compare(what, buffer.download(0, size * e), want, dtype);
   }
 
+  // Raw bytes: every byte of every rank's contribution lands where the contract puts it, and the
+  // counters count one element per byte.
+  void all_gather_bytes(size_t bytes, bool in_place) {
+    const int world = comm_.world_size(), me = comm_.rank();
+    const std::string what =
+        fmt::format("all_gather_bytes{} bytes={}", in_place ? " in place" : "", bytes);
+    const uint64_t s = salt("all_gather_bytes", DType::kF32, bytes, in_place);
+    std::vector<uint8_t> want;
+    for (int j = 0; j < world; ++j) {
+      std::vector<uint8_t> in = test_bytes(j, bytes, s);
+      want.insert(want.end(), in.begin(), in.end());
+    }
+    Buffer recv(mem_, world * bytes);
+    Buffer send(mem_, bytes);
+    const void* source = send.get();
+    if (in_place) {
+      recv.upload(test_bytes(me, bytes, s), me * bytes);
+      source = recv.at(me * bytes);
+    } else {
+      send.upload(test_bytes(me, bytes, s));
+    }
+    OpCounters before = comm_.counters()[CollectiveOp::kAllGather];
+    Work work = comm_.all_gather_bytes(source, recv.get(), bytes);
+    const std::vector<size_t> counts(world, bytes);
+    if (!finish(work, CollectiveOp::kAllGather, counts, 0, 1, before, what)) return;
+    compare_bytes(what, recv.download(0, world * bytes), want);
+  }
+
+  void broadcast_bytes(size_t bytes, int root) {
+    const int me = comm_.rank();
+    const std::string what = fmt::format("broadcast_bytes bytes={} root={}", bytes, root);
+    const uint64_t s = salt("broadcast_bytes", DType::kF32, bytes, root);
+    std::vector<uint8_t> want = test_bytes(root, bytes, s);
+    Buffer buffer(mem_, bytes);
+    buffer.upload(me == root ? want : test_bytes(me, bytes, s + 1));
+    OpCounters before = comm_.counters()[CollectiveOp::kBroadcast];
+    Work work = comm_.broadcast_bytes(buffer.get(), bytes, root);
+    if (!finish(work, CollectiveOp::kBroadcast, {bytes}, root, 1, before, what)) return;
+    compare_bytes(what, buffer.download(0, bytes), want);
+  }
+
+  void compare_bytes(const std::string& what, const std::vector<uint8_t>& got,
+                     const std::vector<uint8_t>& want) {
+    std::string diff = first_byte_difference(got, want);
+    if (!diff.empty()) fail(fmt::format("{}: {}", what, diff));
+  }
+
   void barrier() {
     OpCounters before = comm_.counters()[CollectiveOp::kBarrier];
     finish(comm_.barrier(), CollectiveOp::kBarrier, {}, 0, DType::kF32, before, "barrier");
@@ -340,9 +397,22 @@ std::vector<uint8_t> reference_reduce(const std::vector<std::vector<uint8_t>>& i
   return out;
 }
 
+std::vector<uint8_t> test_bytes(int rank, size_t bytes, uint64_t salt) {
+  std::vector<uint8_t> out(bytes);
+  for (size_t i = 0; i < bytes; ++i) {
+    out[i] = static_cast<uint8_t>(splitmix(salt ^ splitmix(static_cast<uint64_t>(rank) << 40 ^ i)));
+  }
+  return out;
+}
+
 OpCounters expected_counters(CollectiveOp op, const std::vector<size_t>& counts, int root, int rank,
                              int world, DType dtype) {
-  const uint64_t e = dtype_size(dtype);
+  return expected_counters(op, counts, root, rank, world, dtype_size(dtype));
+}
+
+OpCounters expected_counters(CollectiveOp op, const std::vector<size_t>& counts, int root, int rank,
+                             int world, size_t element_bytes) {
+  const uint64_t e = element_bytes;
   const uint64_t total = std::accumulate(counts.begin(), counts.end(), uint64_t{0});
   const int next = (rank + 1) % world, prev = (rank + world - 1) % world;
   OpCounters c{.calls = 1};
@@ -405,6 +475,22 @@ std::string first_difference(const std::vector<uint8_t>& got, const std::vector<
       }
       return fmt::format("element {} is {:.9g}, expected {:.9g} ({} elements differ)", i,
                          element_to_f32(got, i, dtype), element_to_f32(want, i, dtype), mismatches);
+    }
+  }
+  return "";
+}
+
+std::string first_byte_difference(const std::vector<uint8_t>& got,
+                                  const std::vector<uint8_t>& want) {
+  if (got.size() != want.size()) {
+    return fmt::format("size {} bytes, expected {}", got.size(), want.size());
+  }
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (got[i] != want[i]) {
+      size_t mismatches = 0;
+      for (size_t k = i; k < got.size(); ++k) mismatches += got[k] != want[k];
+      return fmt::format("byte {} is {:#04x}, expected {:#04x} ({} bytes differ)", i, got[i],
+                         want[i], mismatches);
     }
   }
   return "";

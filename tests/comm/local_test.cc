@@ -214,6 +214,14 @@ TEST(LocalFaults, MismatchedOperationsDtypesRootsAndReductions) {
     return comms[r]->broadcast(buf[r].data(), 4, r ? DType::kBF16 : DType::kF32, 0).wait();
   });
   EXPECT_THAT(dtypes[0].message(), HasSubstr("ranks disagree on the dtype"));
+  // Raw bytes are an element type of their own: the same 16 bytes as 4 fp32 elements disagree.
+  auto bytes = on_every_rank(2, [&](int r) {
+    return r ? comms[r]->broadcast_bytes(buf[r].data(), 16, 0).wait()
+             : comms[r]->broadcast(buf[r].data(), 4, DType::kF32, 0).wait();
+  });
+  for (const Status& s : bytes) {
+    EXPECT_THAT(s.message(), HasSubstr("fp32 on rank 0; raw bytes on rank 1")) << s.to_string();
+  }
   auto roots = on_every_rank(
       2, [&](int r) { return comms[r]->broadcast(buf[r].data(), 4, DType::kF32, r).wait(); });
   EXPECT_THAT(roots[0].message(), HasSubstr("root 0 on rank 0; root 1 on rank 1"));

@@ -70,7 +70,7 @@ int main() {
       test::SweepOptions options;
       options.memory = &memory;
       failures[r] = test::run_sweep(*comm.value(), options);
-      // Abort (issue 16): every rank aborts (a rank whose peers still held a live communicator
+      // Abort: every rank aborts (a rank whose peers still held a live communicator
       // could wait on them in ncclCommDestroy); its later operations fail at once without touching
       // NCCL, and the destructor calls ncclCommAbort.
       comm.value()->abort(make_error(ErrorCode::kIo, "injected"));

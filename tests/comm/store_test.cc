@@ -1,6 +1,6 @@
 // The TCP store, on 127.0.0.1 only: set/get/wait/add, concurrent clients, timeouts, malformed and
 // oversized frames (the connection closes, the server serves on), tokens, an unreachable store;
-// and the defences against a hostile peer (issue 16): the pre-authentication frame limit, no
+// and the defences against a hostile peer: the pre-authentication frame limit, no
 // listening beyond loopback without a token, token files, the handshake timeout, the connection
 // limit, a waiting client that hangs up, and accept failures (EMFILE) that must not spin.
 #include "zinf/comm/store.h"

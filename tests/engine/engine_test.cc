@@ -268,7 +268,7 @@ TEST(Engine, ViewsAreTypedAndAWrongTypeIsAnError) {
   }
 }
 
-// memory_report() against DESIGN.md's table (fp32; P = padded parameter elements).
+// memory_report() against the ZeRO table in docs/engine.md (fp32; P = padded parameter elements).
 TEST(Engine, MemoryMatchesTheZeroArithmetic) {
   MlpShape shape;
   for (int world : {1, 2, 3, 4}) {

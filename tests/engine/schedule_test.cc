@@ -459,9 +459,9 @@ TEST(Schedule, TheReadAheadReadsNoAccumulatorThePassWillOverwrite) {
 // The shards the walk behind step() keeps for the next forward pass (the host budget has room
 // beyond the accumulators) stay in memory unwritten, and so does the optimizer state it keeps for
 // the next walk (the room beyond those shards): with everything fitting, a step after the first
-// two moves nothing to or from NVMe (until 2026-12-07, fourth session, each kept shard was written
-// back as well, 4 bytes per parameter every step; until the fifth, m and v were written and read
-// back every step, 16), and ends on the bits of the update inside step().
+// two moves nothing to or from NVMe (writing each kept shard back would cost 4 bytes per parameter
+// every step; writing and reading back m and v, 16), and ends on the bits of the update inside
+// step().
 TEST(Schedule, ShardsKeptForTheNextPassAreNotWrittenBack) {
   const MlpShape shape{.dims = {32, 256, 256, 8}};
   auto run = [&](bool behind, std::vector<uint64_t>* written, std::vector<uint64_t>* read,
@@ -516,8 +516,8 @@ TEST(Schedule, ShardsKeptForTheNextPassAreNotWrittenBack) {
 // keeps for the next walk. Here (11 units, 4.8 MB of m and v, a 14.5 MB host budget of which 6.3
 // MB is staging) that room keeps every group's state: a step after the first two moves nothing
 // to or from NVMe. With the device holding one unit at a time the shards take that room, and
-// steps move m and v of the groups that do not fit (until 2026-12-07, sixth session, every run
-// did). Both end on the bits of the update inside step().
+// steps move m and v of the groups that do not fit. Both end on the bits of the update inside
+// step().
 TEST(Schedule, ShardsLeftOnTheDeviceGiveTheirHostRoomToTheState) {
   const MlpShape& shape = kElevenUnits;
   auto run = [&](bool behind, uint64_t device_mem, std::vector<uint64_t>* moved) {
@@ -561,10 +561,9 @@ TEST(Schedule, ShardsLeftOnTheDeviceGiveTheirHostRoomToTheState) {
 // uses it, so the shards never cross the disk; the state of the pass's last updates is written
 // once step() has committed (under the next forward pass) and stays in memory, clean, for the
 // next pass. Here (the 11-unit MLP, 4.8 MB of m and v, a 14.5 MB host budget of which 6.3 MB is
-// staging) all of it stays: a step after the first two reads nothing and writes m and v once.
-// Until 2026-12-07 (seventh session) each update wrote its shard and its state at once, and the
-// next passes read both back. With the device holding one unit at a time the shards cross the
-// disk. Both end on the bits of the plain step.
+// staging) all of it stays: a step after the first two reads nothing and writes m and v once (no
+// update writes its shard, and no pass reads a shard or state back). With the device holding one
+// unit at a time the shards cross the disk. Both end on the bits of the plain step.
 TEST(Schedule, UpdatesFusedIntoTheBackwardPassLeaveTheShardsOnTheDevice) {
   const MlpShape& shape = kElevenUnits;
   uint64_t param_bytes = 0;
@@ -621,11 +620,10 @@ TEST(Schedule, UpdatesFusedIntoTheBackwardPassLeaveTheShardsOnTheDevice) {
 // dirty in the room the spent accumulators leave, and is written during that backward pass (the
 // first final gradient starts it). Here (the 11-unit MLP, 156 groups, an 11 MB host budget: 55
 // groups kept, 77 left for the pass) a step writes part of m and v while the walk runs and part
-// between the walk's end and the next step() (until 2026-12-07, sixth session, every write came
-// during the walk), and the run ends on the bits of the update inside step(). (The test waits for
-// each walk before the next pass, whose gathers would otherwise make the updated shards clean as
-// the walk goes: their dirty host copies then take room the walk meant for that state, so most
-// of it is still written during the walk, to make room.)
+// between the walk's end and the next step(), and the run ends on the bits of the update inside
+// step(). (The test waits for each walk before the next pass, whose gathers would otherwise make
+// the updated shards clean as the walk goes: their dirty host copies then take room the walk meant
+// for that state, so most of it is still written during the walk, to make room.)
 TEST(Schedule, TheWalksLastStateIsWrittenDuringTheBackwardPass) {
   const MlpShape& shape = kElevenUnits;
   auto run = [&](bool behind, std::vector<uint64_t>* in_walk, std::vector<uint64_t>* in_pass) {

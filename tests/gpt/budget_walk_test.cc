@@ -1,4 +1,4 @@
-// Device budgets from the floor upward (issue 17): the engine either refuses a budget up front,
+// Device budgets from the floor upward: the engine either refuses a budget up front,
 // naming what it needs, or trains in it; every budget from the first it accepts trains, and the
 // parameters are bit for bit those of a run with an unbounded budget (the scheduler fetches
 // less and fewer reductions stay in flight, which changes no arithmetic).

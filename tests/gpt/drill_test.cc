@@ -1,4 +1,4 @@
-// Drills (issue 16): faults injected at random points of a whole offloaded 2-rank run. Every run
+// Drills: faults injected at random points of a whole offloaded 2-rank run. Every run
 // either finishes with the parameters of a run without faults, bit for bit, or stops with a clear
 // error naming the failure; never a hang, never silently different weights, and never a swap file
 // left behind.
@@ -113,10 +113,9 @@ TEST_F(Drill, HardFaultsAnywhereStopEveryRankWithTheError) {
 }
 
 // A swap block corrupted on its way back is caught by its checksum (on by default), never used.
-// (About 1 run in 40 of this drill used to end in a SIGSEGV after the checksum error: a local-
-// backend rank woken late from a meeting copied from a peer's operation that the peer, finding
-// the group broken, had already left; runtime/comm/src/local.cc now marks every rank as reading
-// when the meeting completes.)
+// (This drill also guards the local backend: a rank woken late from a meeting must not copy from
+// a peer's operation that the peer, finding the group broken, has already left; the local
+// communicator marks every rank as reading when the meeting completes.)
 TEST_F(Drill, CorruptedSwapReadsAreCaught) {
   int caught = 0;
   for (int n : {5, 40, 120}) {

@@ -169,7 +169,7 @@ TEST(Trainer, TraceHasOneTrackPerStreamOfWork) {
 }
 
 // A rank whose allocation the system refuses fails with an error naming the rank, and leaves no
-// swap file behind (an exception in a rank thread used to abort the process).
+// swap file behind (an exception escaping a rank thread would abort the process).
 TEST(Trainer, ARefusedAllocationIsAnErrorAndLeavesNoSwap) {
   zinf::testing::TempDir nvme;
   TrainOptions o = tiny_options();

@@ -673,8 +673,9 @@ TEST_F(StoreTest, PrefetchInOrderStopsAtTheFirstThatDoesNotFit) {
 }
 
 // A read ahead still landing is not a copy in use: an allocation that needs its room waits for it
-// to land, then evicts it, instead of failing with the budget "exhausted" (on a loaded machine
-// the budget walk of issue 17 failed so, in the gradient buffer of a unit).
+// to land, then evicts it, instead of failing with the budget "exhausted" (without the wait, the
+// GPT's device budget walk, tests/gpt/budget_walk_test.cc, fails so on a loaded machine, in the
+// gradient buffer of a unit).
 TEST_F(StoreTest, AnAllocationWaitsForAReadAheadStillLanding) {
   build({.device_budget = 2 << 20, .holding_device = true});
   const TensorId a = make("a", 1 << 20, Tier::kHost);

@@ -493,211 +493,301 @@ Status run_rank(comm::Communicator& comm, const TrainOptions& o, const TextDatas
   return status;
 }
 
-Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o,
-                 const TextDataset& data, Shared& shared, const StepCallback& on_step,
-                 const optim::LrSchedule& schedule) {
-  const int rank = comm.rank(), world = comm.world_size();
-  const GptConfig& cfg = o.model;
-  const int T = o.seq > 0 ? o.seq : cfg.seq;
-  const int B = o.batch;
-  const int gas = o.engine.gradient_accumulation_steps;
+// One rank's run over its engine (run_rank): the model that computes where the device is, the
+// steps and their micro-steps, the step logs, the checkpoints, the stop flag, then every rank's
+// memory row, the export and the sample.
+class RankSteps {
+ public:
+  RankSteps(Engine& engine, comm::Communicator& comm, const TrainOptions& o,
+            const TextDataset& data, Shared& shared, const StepCallback& on_step,
+            const optim::LrSchedule& schedule)
+      : engine_(engine),
+        comm_(comm),
+        o_(o),
+        data_(data),
+        shared_(shared),
+        on_step_(on_step),
+        schedule_(schedule),
+        rank_(comm.rank()),
+        world_(comm.world_size()),
+        cfg_(o.model),
+        seq_(o.seq > 0 ? o.seq : o.model.seq),
+        batch_(o.batch),
+        gas_(o.engine.gradient_accumulation_steps),
+        model_(o.model) {}
+
+  Status run() {
+    ZINF_RETURN_IF_ERROR(choose_model());
+    tokens_.resize(static_cast<size_t>(batch_) * seq_);
+    targets_.resize(tokens_.size());
+    start_logs();
+    int64_t first_step = 0;
+    if (!o_.resume.empty()) {
+      ZINF_ASSIGN_OR_RETURN(first_step, resume_from(engine_, o_, shared_));
+    }
+    // --init-from with --steps 0: no step; the weights as loaded are saved as step 0 (a
+    // checkpoint to resume from, or to export in another dtype).
+    if (!o_.init_from.empty() && o_.steps == 0 && !o_.save_dir.empty()) {
+      ZINF_RETURN_IF_ERROR(save(0));
+    }
+    for (int64_t step = first_step; step < o_.steps; ++step) {
+      ZINF_ASSIGN_OR_RETURN(const bool stopping, run_step(step));
+      if (stopping && step + 1 < o_.steps) {
+        ZINF_RETURN_IF_ERROR(engine_.wait_for_update());
+        if (rank_ == 0) log_ended_steps();
+        return make_error(ErrorCode::kCancelled, "stopped after step {} of {}{}", step + 1,
+                          o_.steps,
+                          o_.save_dir.empty() ? "" : fmt::format(" (saved in {})", o_.save_dir));
+      }
+    }
+    ZINF_RETURN_IF_ERROR(engine_.wait_for_update());
+    if (rank_ == 0) log_ended_steps();
+    ZINF_RETURN_IF_ERROR(gather_memory_rows());
+    return export_and_sample();
+  }
+
+ private:
   // The model that computes where the device is: the CPU model over host copies of the units, or
   // on CUDA the GPU model over copies in GPU memory.
-  Model model(cfg);
-  HostBuffers host_buffers;
+  Status choose_model() {
 #if ZINF_GPT_CUDA
-  std::unique_ptr<cuda::Gpu> gpu;
-  std::optional<cuda::GpuModel> gpu_model;
-  std::optional<GpuBuffers> gpu_buffers;
-  ZINF_ASSIGN_OR_RETURN(const DeviceKind device, resolve_device_kind(o.engine.device));
-  if (device == DeviceKind::kCuda || test_gpu_model_on_any_device()) {
-    std::string error;
-    gpu = cuda::Gpu::create(cuda_ordinal(engine.settings().device_ordinal), &error);
-    if (gpu == nullptr) {
-      return make_error(ErrorCode::kUnavailable, "the GPT on the GPU: {}", error);
+    ZINF_ASSIGN_OR_RETURN(const DeviceKind device, resolve_device_kind(o_.engine.device));
+    if (device == DeviceKind::kCuda || test_gpu_model_on_any_device()) {
+      std::string error;
+      gpu_ = cuda::Gpu::create(cuda_ordinal(engine_.settings().device_ordinal), &error);
+      if (gpu_ == nullptr) {
+        return make_error(ErrorCode::kUnavailable, "the GPT on the GPU: {}", error);
+      }
+      // bf16 / fp16 runs multiply in that precision on the tensor cores (fp32 accumulation).
+      gpu_->set_matmul_inputs(engine_.settings().dtype);
+      gpu_model_.emplace(cfg_, *gpu_);
+      gpu_buffers_.emplace(*gpu_);
     }
-    // bf16 / fp16 runs multiply in that precision on the tensor cores (fp32 accumulation).
-    gpu->set_matmul_inputs(engine.settings().dtype);
-    gpu_model.emplace(cfg, *gpu);
-    gpu_buffers.emplace(*gpu);
-  }
 #endif
-  auto micro_step = [&](const int32_t* tok, const int32_t* tgt, float loss_scale) {
+    return Status::ok();
+  }
+
+  // One forward and backward pass of the batch in tokens_/targets_ through the engine.
+  Result<double> micro_step(float loss_scale) {
+    const int32_t* tok = tokens_.data();
+    const int32_t* tgt = targets_.data();
 #if ZINF_GPT_CUDA
-    if (gpu_model) {
-      return through_engine(engine, *gpu_buffers, [&](auto& scopes) {
-        return gpu_model->forward_backward([&](int u) { return scopes.params(u); },
-                                           [&](int u) { return scopes.grads(u); }, tok, tgt, B, T,
-                                           loss_scale);
+    if (gpu_model_) {
+      return through_engine(engine_, *gpu_buffers_, [&](auto& scopes) {
+        return gpu_model_->forward_backward([&](int u) { return scopes.params(u); },
+                                            [&](int u) { return scopes.grads(u); }, tok, tgt,
+                                            batch_, seq_, loss_scale);
       });
     }
 #endif
-    return through_engine(engine, host_buffers, [&](auto& scopes) -> Result<double> {
-      return model.forward_backward([&](int u) { return scopes.params(u); },
-                                    [&](int u) { return scopes.grads(u); }, tok, tgt, B, T,
-                                    loss_scale);
+    return through_engine(engine_, host_buffers_, [&](auto& scopes) -> Result<double> {
+      return model_.forward_backward([&](int u) { return scopes.params(u); },
+                                     [&](int u) { return scopes.grads(u); }, tok, tgt, batch_, seq_,
+                                     loss_scale);
     });
-  };
-  std::vector<int32_t> tokens(static_cast<size_t>(B) * T), targets(tokens.size());
-  // A step's time and NVMe bytes run to the end of its update, which with update_behind comes
-  // after step() returns (during the next step, or at wait_for_update()): rank 0 holds each
-  // step's log until the engine has recorded that end (Engine::update_ends()).
-  StoreStats last_store = engine.store_stats();
-  std::optional<std::chrono::steady_clock::time_point> last_end_at;  // the first step's start
-  uint64_t ends_seen = 0;
-  for (const Engine::UpdateEnd& end : engine.update_ends()) ends_seen = end.index;
-  std::deque<StepLog> held;
-  auto log_ended_steps = [&] {
-    for (const Engine::UpdateEnd& end : engine.update_ends()) {
-      if (end.index <= ends_seen || held.empty()) continue;
-      ends_seen = end.index;
-      StepLog log = std::move(held.front());
-      held.pop_front();
-      log.nvme_read = end.stats.bytes_nvme_read - last_store.bytes_nvme_read;
-      log.nvme_written = end.stats.bytes_nvme_written - last_store.bytes_nvme_written;
-      last_store = end.stats;
-      if (last_end_at) {
-        log.seconds = std::chrono::duration<double>(end.at - *last_end_at).count();
-        log.tokens_per_s =
-            log.seconds > 0 ? static_cast<double>(B) * T * gas * world / log.seconds : 0;
-      }
-      last_end_at = end.at;
-      {
-        std::lock_guard lock(shared.mu);
-        shared.report.steps.push_back(log);
-      }
-      if (on_step) on_step(log, o.steps);
-    }
-  };
-  int64_t first_step = 0;
-  if (!o.resume.empty()) {
-    ZINF_ASSIGN_OR_RETURN(first_step, resume_from(engine, o, shared));
   }
-  auto save = [&](int64_t step) -> Status {
-    const auto t0 = std::chrono::steady_clock::now();
-    ZINF_ASSIGN_OR_RETURN(
-        std::string dir,
-        engine.save_checkpoint(
-            o.save_dir,
-            {.step = step, .keep = o.keep, .user_state = checkpoint_user_state(o, step)}));
-    if (rank == 0) {
-      const double seconds =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      auto m = ckpt::read_manifest(dir);
-      std::lock_guard lock(shared.mu);
-      shared.report.save_seconds += seconds;
-      shared.report.save_bytes += m.is_ok() ? m->total_bytes() : 0;
-      ++shared.report.saves;
-      shared.report.last_checkpoint = std::move(dir);
-    }
-    return Status::ok();
-  };
-  // --init-from with --steps 0: no step; the weights as loaded are saved as step 0 (a checkpoint
-  // to resume from, or to export in another dtype).
-  if (!o.init_from.empty() && o.steps == 0 && !o.save_dir.empty()) {
-    ZINF_RETURN_IF_ERROR(save(0));
-  }
-  for (int64_t step = first_step; step < o.steps; ++step) {
+
+  // One step: its learning rate and betas, its micro-steps, the mean loss (and whether any rank
+  // was asked to stop), the engine's step, the checkpoint it is due, its log. Returns whether the
+  // run stops after it.
+  Result<bool> run_step(int64_t step) {
     auto t0 = std::chrono::steady_clock::now();
-    if (!last_end_at) last_end_at = t0;
-    // As DeepSpeed: the schedule advances with each applied step (not with skipped ones).
-    const int64_t applied = engine.last_step().step;
-    ZINF_RETURN_IF_ERROR(engine.set_lr(static_cast<float>(schedule.lr_for_step(applied))));
-    if (std::optional<optim::Betas> b = schedule.betas_for_step(applied)) {
-      ZINF_RETURN_IF_ERROR(
-          engine.set_betas(static_cast<float>(b->beta1), static_cast<float>(b->beta2)));
-    }
+    if (!last_end_at_) last_end_at_ = t0;
+    ZINF_RETURN_IF_ERROR(apply_schedule());
     double loss_sum = 0;
-    for (int m = 0; m < gas; ++m) {
-      ZINF_RETURN_IF_ERROR(data.sample_batch(o.seed, static_cast<uint64_t>(step) * gas + m, rank, B,
-                                             T, tokens.data(), targets.data()));
-      ZINF_ASSIGN_OR_RETURN(const double loss,
-                            micro_step(tokens.data(), targets.data(), engine.loss_scale()));
+    for (int m = 0; m < gas_; ++m) {
+      ZINF_RETURN_IF_ERROR(data_.sample_batch(o_.seed, static_cast<uint64_t>(step) * gas_ + m,
+                                              rank_, batch_, seq_, tokens_.data(),
+                                              targets_.data()));
+      ZINF_ASSIGN_OR_RETURN(const double loss, micro_step(engine_.loss_scale()));
       loss_sum += loss;
     }
     // The mean loss; with a stop flag, also whether any rank saw it (every rank then stops after
     // this same step).
-    float local[2] = {static_cast<float>(loss_sum / gas), 0}, mean[2] = {local[0], 0};
-    if (o.stop != nullptr && o.stop->load() != 0) local[1] = 1;
+    float local[2] = {static_cast<float>(loss_sum / gas_), 0}, mean[2] = {local[0], 0};
+    if (o_.stop != nullptr && o_.stop->load() != 0) local[1] = 1;
     ZINF_RETURN_IF_ERROR(
-        comm.all_reduce(local, mean, o.stop ? 2 : 1, DType::kF32, comm::ReduceOp::kAvg).wait());
+        comm_.all_reduce(local, mean, o_.stop ? 2 : 1, DType::kF32, comm::ReduceOp::kAvg).wait());
     const bool stopping = mean[1] > 0;
-    ZINF_RETURN_IF_ERROR(engine.step());
-    if (!o.save_dir.empty() &&
-        ((o.save_every > 0 && (step + 1) % o.save_every == 0) || step + 1 == o.steps || stopping)) {
+    ZINF_RETURN_IF_ERROR(engine_.step());
+    if (!o_.save_dir.empty() && ((o_.save_every > 0 && (step + 1) % o_.save_every == 0) ||
+                                 step + 1 == o_.steps || stopping)) {
       ZINF_RETURN_IF_ERROR(save(step + 1));
     }
     double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (rank == 0) {
-      held.push_back(StepLog{.step = step + 1,
-                             .loss = mean[0],
-                             .seconds = seconds,
-                             .tokens_per_s = static_cast<double>(B) * T * gas * world / seconds,
-                             .skipped = engine.last_step().skipped,
-                             .grad_norm = engine.last_step().grad_norm,
-                             .lr = engine.settings().adam.lr,
-                             .beta1 = engine.settings().adam.beta1,
-                             .beta2 = engine.settings().adam.beta2,
-                             .memory = engine.memory_report(),
-                             .comm = engine.comm_report(),
-                             .schedule = engine.schedule_report(),
-                             .units_updated_early = engine.last_step().units_updated_early,
-                             .nvme_minimum = engine.nvme_traffic_minimum()});
+    if (rank_ == 0) {
+      hold_log(step, mean[0], seconds);
       log_ended_steps();
     }
-    if (stopping && step + 1 < o.steps) {
-      ZINF_RETURN_IF_ERROR(engine.wait_for_update());
-      if (rank == 0) log_ended_steps();
-      return make_error(ErrorCode::kCancelled, "stopped after step {} of {}{}", step + 1, o.steps,
-                        o.save_dir.empty() ? "" : fmt::format(" (saved in {})", o.save_dir));
+    return stopping;
+  }
+
+  // As DeepSpeed: the schedule advances with each applied step (not with skipped ones).
+  Status apply_schedule() {
+    const int64_t applied = engine_.last_step().step;
+    ZINF_RETURN_IF_ERROR(engine_.set_lr(static_cast<float>(schedule_.lr_for_step(applied))));
+    if (std::optional<optim::Betas> b = schedule_.betas_for_step(applied)) {
+      ZINF_RETURN_IF_ERROR(
+          engine_.set_betas(static_cast<float>(b->beta1), static_cast<float>(b->beta2)));
+    }
+    return Status::ok();
+  }
+
+  Status save(int64_t step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    ZINF_ASSIGN_OR_RETURN(
+        std::string dir,
+        engine_.save_checkpoint(
+            o_.save_dir,
+            {.step = step, .keep = o_.keep, .user_state = checkpoint_user_state(o_, step)}));
+    if (rank_ == 0) {
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      auto m = ckpt::read_manifest(dir);
+      std::lock_guard lock(shared_.mu);
+      shared_.report.save_seconds += seconds;
+      shared_.report.save_bytes += m.is_ok() ? m->total_bytes() : 0;
+      ++shared_.report.saves;
+      shared_.report.last_checkpoint = std::move(dir);
+    }
+    return Status::ok();
+  }
+
+  // A step's time and NVMe bytes run to the end of its update, which with update_behind comes
+  // after step() returns (during the next step, or at wait_for_update()): rank 0 holds each
+  // step's log until the engine has recorded that end (Engine::update_ends()).
+  void start_logs() {
+    last_store_ = engine_.store_stats();
+    for (const Engine::UpdateEnd& end : engine_.update_ends()) ends_seen_ = end.index;
+  }
+
+  void hold_log(int64_t step, float loss, double seconds) {
+    held_.push_back(
+        StepLog{.step = step + 1,
+                .loss = loss,
+                .seconds = seconds,
+                .tokens_per_s = static_cast<double>(batch_) * seq_ * gas_ * world_ / seconds,
+                .skipped = engine_.last_step().skipped,
+                .grad_norm = engine_.last_step().grad_norm,
+                .lr = engine_.settings().adam.lr,
+                .beta1 = engine_.settings().adam.beta1,
+                .beta2 = engine_.settings().adam.beta2,
+                .memory = engine_.memory_report(),
+                .comm = engine_.comm_report(),
+                .schedule = engine_.schedule_report(),
+                .units_updated_early = engine_.last_step().units_updated_early,
+                .nvme_minimum = engine_.nvme_traffic_minimum()});
+  }
+
+  // The held logs of the steps whose update has ended, completed with their time and NVMe bytes,
+  // to the report and on_step.
+  void log_ended_steps() {
+    for (const Engine::UpdateEnd& end : engine_.update_ends()) {
+      if (end.index <= ends_seen_ || held_.empty()) continue;
+      ends_seen_ = end.index;
+      StepLog log = std::move(held_.front());
+      held_.pop_front();
+      log.nvme_read = end.stats.bytes_nvme_read - last_store_.bytes_nvme_read;
+      log.nvme_written = end.stats.bytes_nvme_written - last_store_.bytes_nvme_written;
+      last_store_ = end.stats;
+      if (last_end_at_) {
+        log.seconds = std::chrono::duration<double>(end.at - *last_end_at_).count();
+        log.tokens_per_s =
+            log.seconds > 0 ? static_cast<double>(batch_) * seq_ * gas_ * world_ / log.seconds : 0;
+      }
+      last_end_at_ = end.at;
+      {
+        std::lock_guard lock(shared_.mu);
+        shared_.report.steps.push_back(log);
+      }
+      if (on_step_) on_step_(log, o_.steps);
     }
   }
-  ZINF_RETURN_IF_ERROR(engine.wait_for_update());
-  if (rank == 0) log_ended_steps();
+
   // Every rank's memory row, for rank 0's table (ranks may be other processes).
-  static_assert(std::is_trivially_copyable_v<MemoryReport> && sizeof(MemoryReport) % 4 == 0);
-  const MemoryReport mine = engine.memory_report();
-  std::vector<MemoryReport> rows(world);
-  ZINF_RETURN_IF_ERROR(
-      comm.all_gather(&mine, rows.data(), sizeof(MemoryReport) / 4, DType::kF32).wait());
-  if (rank == 0) {
-    std::lock_guard lock(shared.mu);
-    shared.memory = std::move(rows);
+  Status gather_memory_rows() {
+    static_assert(std::is_trivially_copyable_v<MemoryReport>);
+    const MemoryReport mine = engine_.memory_report();
+    std::vector<MemoryReport> rows(world_);
+    ZINF_RETURN_IF_ERROR(comm_.all_gather_bytes(&mine, rows.data(), sizeof mine).wait());
+    if (rank_ == 0) {
+      std::lock_guard lock(shared_.mu);
+      shared_.memory = std::move(rows);
+    }
+    return Status::ok();
   }
+
   // The consolidated fp32 weights (a collective: every rank takes part), only when asked for:
-  // they are the whole model in memory.
-  if (o.export_path.empty() && o.sample_bytes <= 0) return Status::ok();
-  std::vector<std::vector<float>> full;
-  for (size_t u = 0; u < engine.unit_count(); ++u) {
-    ZINF_ASSIGN_OR_RETURN(auto p, engine.full_parameters(u));
-    full.push_back(std::move(p));
+  // they are the whole model in memory. Rank 0 exports them and samples from them.
+  Status export_and_sample() {
+    if (o_.export_path.empty() && o_.sample_bytes <= 0) return Status::ok();
+    std::vector<std::vector<float>> full;
+    for (size_t u = 0; u < engine_.unit_count(); ++u) {
+      ZINF_ASSIGN_OR_RETURN(auto p, engine_.full_parameters(u));
+      full.push_back(std::move(p));
+    }
+    if (rank_ != 0) return Status::ok();
+    if (!o_.export_path.empty()) ZINF_RETURN_IF_ERROR(export_safetensors(full));
+    if (o_.sample_bytes > 0) {
+      ZINF_ASSIGN_OR_RETURN(
+          std::string text,
+          generate(
+              cfg_, [&](int u) { return full[u].data(); }, o_.sample_prompt, o_.sample_bytes,
+              {.sampling = Sampling::kRandom, .temperature = 0.8f, .top_k = 40, .seed = o_.seed}));
+      std::lock_guard lock(shared_.mu);
+      shared_.report.sample = std::move(text);
+    }
+    return Status::ok();
   }
-  if (rank != 0) return Status::ok();
-  if (!o.export_path.empty()) {
+
+  // The units' full parameters as named tensors in a safetensors file (--export).
+  Status export_safetensors(const std::vector<std::vector<float>>& full) const {
     std::vector<NamedTensor> tensors;
-    for (int u = 0; u < cfg.num_units(); ++u) {
+    for (int u = 0; u < cfg_.num_units(); ++u) {
       uint64_t offset = 0;
-      for (const ParamSpec& p : unit_params(unit_kind(cfg, u), cfg)) {
+      for (const ParamSpec& p : unit_params(unit_kind(cfg_, u), cfg_)) {
         uint64_t n = 1;
         for (int64_t d : p.shape) n *= static_cast<uint64_t>(d);
         tensors.push_back(
-            {unit_name(cfg, u) + "." + p.name, p.shape,
+            {unit_name(cfg_, u) + "." + p.name, p.shape,
              std::vector<float>(full[u].begin() + offset, full[u].begin() + offset + n)});
         offset += n;
       }
     }
-    ZINF_RETURN_IF_ERROR(write_safetensors(o.export_path, tensors));
+    return write_safetensors(o_.export_path, tensors);
   }
-  if (o.sample_bytes > 0) {
-    ZINF_ASSIGN_OR_RETURN(
-        std::string text,
-        generate(
-            cfg, [&](int u) { return full[u].data(); }, o.sample_prompt, o.sample_bytes,
-            {.sampling = Sampling::kRandom, .temperature = 0.8f, .top_k = 40, .seed = o.seed}));
-    std::lock_guard lock(shared.mu);
-    shared.report.sample = std::move(text);
-  }
-  return Status::ok();
+
+  Engine& engine_;
+  comm::Communicator& comm_;
+  const TrainOptions& o_;
+  const TextDataset& data_;
+  Shared& shared_;
+  const StepCallback& on_step_;
+  const optim::LrSchedule& schedule_;
+  const int rank_, world_;
+  const GptConfig& cfg_;
+  const int seq_;    // tokens per sequence
+  const int batch_;  // sequences per micro-step
+  const int gas_;    // micro-steps per step
+  Model model_;
+  HostBuffers host_buffers_;
+#if ZINF_GPT_CUDA
+  std::unique_ptr<cuda::Gpu> gpu_;
+  std::optional<cuda::GpuModel> gpu_model_;
+  std::optional<GpuBuffers> gpu_buffers_;
+#endif
+  std::vector<int32_t> tokens_, targets_;
+  // The step logs held until their update ends (start_logs()).
+  StoreStats last_store_;
+  std::optional<std::chrono::steady_clock::time_point> last_end_at_;  // the first step's start
+  uint64_t ends_seen_ = 0;
+  std::deque<StepLog> held_;
+};
+
+Status run_steps(Engine& engine, comm::Communicator& comm, const TrainOptions& o,
+                 const TextDataset& data, Shared& shared, const StepCallback& on_step,
+                 const optim::LrSchedule& schedule) {
+  return RankSteps(engine, comm, o, data, shared, on_step, schedule).run();
 }
 
 // run_rank with exceptions turned into errors, and any failure (creating the engine included)

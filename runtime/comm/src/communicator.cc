@@ -56,6 +56,10 @@ size_t Collective::displacement(int rank) const {
   return std::accumulate(counts.begin(), counts.begin() + rank, size_t{0});
 }
 
+size_t Collective::element_size() const {
+  return payload == Payload::kBytes ? 1 : dtype_size(dtype);
+}
+
 namespace {
 
 // Ring traffic of an all_gather / reduce_scatter over per-rank chunks.
@@ -77,7 +81,7 @@ void ring_scatter(const std::vector<size_t>& c, int r, uint64_t e, uint64_t& sen
 
 Traffic collective_traffic(const Collective& c, int rank, int world) {
   Traffic t;
-  const uint64_t e = dtype_size(c.dtype);
+  const uint64_t e = c.element_size();
   const uint64_t total = c.total();
   const bool alone = world == 1;
   switch (c.op) {
@@ -282,7 +286,7 @@ bool overlaps(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
 
 // Checks one rank's arguments; returns why they are unusable, or "".
 std::string check_arguments(const Collective& c, int rank, int world) {
-  const size_t e = dtype_size(c.dtype);
+  const size_t e = c.element_size();
   switch (c.op) {
     case CollectiveOp::kAllGather:
     case CollectiveOp::kReduceScatter:
@@ -405,6 +409,23 @@ Work Communicator::broadcast(void* buffer, size_t count, DType dtype, int root) 
                  .send = buffer,
                  .recv = buffer,
                  .counts = {count},
+                 .root = root});
+}
+
+Work Communicator::all_gather_bytes(const void* send, void* recv, size_t bytes) {
+  return submit({.op = CollectiveOp::kAllGather,
+                 .payload = Payload::kBytes,
+                 .send = send,
+                 .recv = recv,
+                 .counts = std::vector<size_t>(static_cast<size_t>(world_), bytes)});
+}
+
+Work Communicator::broadcast_bytes(void* buffer, size_t bytes, int root) {
+  return submit({.op = CollectiveOp::kBroadcast,
+                 .payload = Payload::kBytes,
+                 .send = buffer,
+                 .recv = buffer,
+                 .counts = {bytes},
                  .root = root});
 }
 

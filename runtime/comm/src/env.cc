@@ -180,7 +180,7 @@ Result<CommConfig> parse_comm_env(const GetEnv& getenv, BackendsBuilt built) {
     return config;
   }
 
-  // What the launcher implies, backends in order (STYLE.md 4): NCCL when it is built and a GPU
+  // What the launcher implies, backends in order: NCCL when it is built and a GPU
   // is visible, then MPI (processes started by mpirun or srun), then Gloo (processes started by
   // a torchrun-style launcher, or by hand, on CPUs), then local threads.
   const bool nccl_first = built.nccl && built.gpus;

@@ -215,7 +215,7 @@ class GlooBackend final : public CommBackend {
       case CollectiveOp::kReduceScatter:
         return reduce_scatter(c, c.send, c.recv, c.counts, 1);
       case CollectiveOp::kAllReduce: {
-        const size_t e = dtype_size(c.dtype);
+        const size_t e = c.element_size();
         std::vector<size_t> chunks = even_partition(c.total(), world_);
         std::byte* mine = chunk_.get(chunks[rank_] * e);
         ZINF_RETURN_IF_ERROR(reduce_scatter(c, c.send, mine, chunks, 1));
@@ -457,7 +457,7 @@ class GlooBackend final : public CommBackend {
   // Each rank sends its chunk to every peer and receives theirs in place in `recv`.
   Status all_gather(const Collective& c, const void* send, void* recv,
                     const std::vector<size_t>& counts, uint64_t phase) {
-    const size_t e = dtype_size(c.dtype);
+    const size_t e = c.element_size();
     const std::vector<size_t> displs = detail::prefix_sums(counts);
     auto* out = static_cast<std::byte*>(recv);
     if (counts[rank_] > 0 && send != out + displs[rank_] * e) {
@@ -482,7 +482,7 @@ class GlooBackend final : public CommBackend {
   // straight from `send`) are summed in rank order into `recv`.
   Status reduce_scatter(const Collective& c, const void* send, void* recv,
                         const std::vector<size_t>& counts, uint64_t phase) {
-    const size_t e = dtype_size(c.dtype);
+    const size_t e = c.element_size();
     const size_t mine = counts[rank_];
     const std::vector<size_t> displs = detail::prefix_sums(counts);
     const auto* in = static_cast<const std::byte*>(send);
@@ -514,7 +514,7 @@ class GlooBackend final : public CommBackend {
 
   // The root sends the whole buffer to every peer.
   Status broadcast(const Collective& c) {
-    const size_t bytes = c.counts[0] * dtype_size(c.dtype);
+    const size_t bytes = c.counts[0] * c.element_size();
     if (bytes == 0 || world_ == 1) return Status::ok();
     const uint64_t s = slot(c, 1);
     const auto deadline = Clock::now() + timeout_;

@@ -163,7 +163,7 @@ class LocalBackend final : public CommBackend {
         break;
       case CollectiveOp::kBroadcast:
         if (rank_ != c.root) {
-          std::memcpy(c.recv, group_->slot(c.root).send, c.total() * dtype_size(c.dtype));
+          std::memcpy(c.recv, group_->slot(c.root).send, c.total() * c.element_size());
         }
         break;
       case CollectiveOp::kBarrier:
@@ -177,7 +177,7 @@ class LocalBackend final : public CommBackend {
   // recv[chunk j] <- rank j's chunk, for every j (from its send buffer, or for all_reduce from
   // its recv buffer, where it reduced its chunk). Skips the copy of a chunk already in place.
   void gather_chunks(const Collective& c, const std::vector<size_t>& chunks, bool from_recv) {
-    const size_t e = dtype_size(c.dtype);
+    const size_t e = c.element_size();
     auto* out = static_cast<std::byte*>(c.recv);
     size_t offset = 0;
     for (int j = 0; j < group_->world(); ++j) {
@@ -194,7 +194,7 @@ class LocalBackend final : public CommBackend {
 
   // Writes the rank-order reduction of this rank's chunk of every peer's send buffer to `dst`.
   void reduce_chunk_into(const Collective& c, size_t offset, size_t count, void* dst) {
-    const size_t e = dtype_size(c.dtype);
+    const size_t e = c.element_size();
     srcs_.resize(group_->world());
     for (int j = 0; j < group_->world(); ++j) {
       srcs_[j] = static_cast<const std::byte*>(group_->slot(j).send) + offset * e;
@@ -211,7 +211,7 @@ class LocalBackend final : public CommBackend {
     size_t offset = 0;
     for (int j = 0; j < rank_; ++j) offset += chunks[j];
     reduce_chunk_into(c, offset, chunks[rank_],
-                      static_cast<std::byte*>(c.recv) + offset * dtype_size(c.dtype));
+                      static_cast<std::byte*>(c.recv) + offset * c.element_size());
   }
 
   std::shared_ptr<LocalGroup> group_;

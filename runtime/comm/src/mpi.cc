@@ -117,7 +117,11 @@ class Backoff {
   std::chrono::microseconds sleep_{20};
 };
 
-MPI_Datatype mpi_type(DType dtype) { return dtype == DType::kF32 ? MPI_FLOAT : MPI_UINT16_T; }
+// Raw bytes as MPI_BYTE; 16-bit floats as MPI_UINT16_T (the backend reduces them itself).
+MPI_Datatype mpi_type(const Collective& c) {
+  if (c.payload == Payload::kBytes) return MPI_BYTE;
+  return c.dtype == DType::kF32 ? MPI_FLOAT : MPI_UINT16_T;
+}
 
 // Counts and displacements as MPI's ints, or an error when a buffer is too large for them.
 Result<std::vector<int>> to_ints(const std::vector<size_t>& values, std::string_view what) {
@@ -395,7 +399,7 @@ class MpiBackend final : public CommBackend {
   Status exchange(const Collective& c, const std::vector<Transfer>& recvs,
                   const std::vector<Transfer>& sends, std::string_view what) {
     const int tag = static_cast<int>(c.seq % 32768);
-    const MPI_Datatype type = mpi_type(c.dtype);
+    const MPI_Datatype type = mpi_type(c);
     std::vector<MPI_Request> requests;
     requests.reserve(recvs.size() + sends.size());
     // Counts agree on every rank (the headers said so): a chunk too large for MPI's int counts
@@ -428,7 +432,7 @@ class MpiBackend final : public CommBackend {
   // Each rank sends its chunk to every peer and receives theirs in place in `recv`.
   Status all_gather(const Collective& c, const void* send, void* recv,
                     const std::vector<size_t>& counts) {
-    const size_t e = dtype_size(c.dtype);
+    const size_t e = c.element_size();
     const std::vector<size_t> displs = detail::prefix_sums(counts);
     auto* out = static_cast<std::byte*>(recv);
     std::vector<Transfer> recvs, sends;
@@ -447,7 +451,7 @@ class MpiBackend final : public CommBackend {
   // straight from `send`) are summed in rank order into `recv`.
   Status reduce_scatter(const Collective& c, const void* send, void* recv,
                         const std::vector<size_t>& counts) {
-    const size_t e = dtype_size(c.dtype);
+    const size_t e = c.element_size();
     const size_t mine = counts[rank_];
     const std::vector<size_t> displs = detail::prefix_sums(counts);
     const auto* in = static_cast<const std::byte*>(send);
@@ -467,7 +471,7 @@ class MpiBackend final : public CommBackend {
   }
 
   Status all_reduce(const Collective& c) {
-    const size_t e = dtype_size(c.dtype);
+    const size_t e = c.element_size();
     std::vector<size_t> chunks = even_partition(c.total(), world_);
     std::byte* mine = chunk_.get(chunks[rank_] * e);
     ZINF_RETURN_IF_ERROR(reduce_scatter(c, c.send, mine, chunks));
@@ -479,7 +483,7 @@ class MpiBackend final : public CommBackend {
     void* buffer = rank_ == c.root ? const_cast<void*>(c.send) : c.recv;
     std::vector<MPI_Request> request(1);
     ZINF_RETURN_IF_ERROR(mpi_status(
-        MPI_Ibcast(buffer, count[0], mpi_type(c.dtype), c.root, data_comm_.get(), request.data()),
+        MPI_Ibcast(buffer, count[0], mpi_type(c), c.root, data_comm_.get(), request.data()),
         "MPI_Ibcast"));
     return finish(request, c, "MPI_Ibcast");
   }

@@ -23,7 +23,7 @@ Status cuda_status(cudaError_t err, std::string_view call) {
   return make_error(ErrorCode::kInternal, "{} failed: {}", call, cudaGetErrorString(err));
 }
 
-// Device memory, owned (STYLE.md 6). Grows, never shrinks; contents are not kept on growth.
+// Device memory with one owner. Grows, never shrinks; contents are not kept on growth.
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;
@@ -199,7 +199,7 @@ class NcclBackend final : public CommBackend {
     if (c.total() == 0) return Status::ok();  // nothing to move (and a barrier is done)
     switch (c.op) {
       case CollectiveOp::kAllGather:
-        ZINF_RETURN_IF_ERROR(all_gather(c.dtype, c.send, c.recv, c.counts));
+        ZINF_RETURN_IF_ERROR(all_gather(c.element_size(), c.send, c.recv, c.counts));
         break;
       case CollectiveOp::kReduceScatter:
         ZINF_RETURN_IF_ERROR(reduce_scatter(c, c.send, c.recv, c.counts));
@@ -207,14 +207,14 @@ class NcclBackend final : public CommBackend {
       case CollectiveOp::kAllReduce: {
         std::vector<size_t> chunks = even_partition(c.total(), options_.world_size);
         ZINF_ASSIGN_OR_RETURN(std::byte * mine,
-                              chunk_.reserve(chunks[options_.rank] * dtype_size(c.dtype)));
+                              chunk_.reserve(chunks[options_.rank] * c.element_size()));
         ZINF_RETURN_IF_ERROR(reduce_scatter(c, c.send, mine, chunks));
-        ZINF_RETURN_IF_ERROR(all_gather(c.dtype, mine, c.recv, chunks));
+        ZINF_RETURN_IF_ERROR(all_gather(c.element_size(), mine, c.recv, chunks));
         break;
       }
       case CollectiveOp::kBroadcast: {
         void* buffer = options_.rank == c.root ? const_cast<void*>(c.send) : c.recv;
-        ZINF_RETURN_IF_ERROR(settle(ncclBroadcast(buffer, buffer, c.total() * dtype_size(c.dtype),
+        ZINF_RETURN_IF_ERROR(settle(ncclBroadcast(buffer, buffer, c.total() * c.element_size(),
                                                   ncclUint8, c.root, comm_.get(), stream_.get()),
                                     "ncclBroadcast"));
         break;
@@ -299,10 +299,9 @@ class NcclBackend final : public CommBackend {
         headers_, [&](int j) { return j == options_.rank ? c.invalid : std::string(); });
   }
 
-  // recv gets chunk j of counts from rank j's `send`. NCCL's all_gather when the chunks are
-  // equal, else grouped point-to-point transfers.
-  Status all_gather(DType dtype, const void* send, void* recv, const std::vector<size_t>& counts) {
-    const size_t e = dtype_size(dtype);
+  // recv gets chunk j of counts (elements of `e` bytes) from rank j's `send`. NCCL's all_gather
+  // when the chunks are equal, else grouped point-to-point transfers.
+  Status all_gather(size_t e, const void* send, void* recv, const std::vector<size_t>& counts) {
     const int me = options_.rank;
     bool equal =
         std::all_of(counts.begin(), counts.end(), [&](size_t n) { return n == counts[0]; });
@@ -338,7 +337,7 @@ class NcclBackend final : public CommBackend {
   // then the kernel sums it in rank order into recv.
   Status reduce_scatter(const Collective& c, const void* send, void* recv,
                         const std::vector<size_t>& counts) {
-    const size_t e = dtype_size(c.dtype);
+    const size_t e = c.element_size();
     const int me = options_.rank;
     const size_t mine = counts[me];
     ZINF_ASSIGN_OR_RETURN(std::byte * staging, staging_.reserve(options_.world_size * mine * e));

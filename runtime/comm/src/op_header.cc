@@ -21,7 +21,7 @@ OpHeader make_header(const Collective& c, int rank) {
                   .counts_hash = hash,
                   .root = c.root,
                   .op = static_cast<uint8_t>(c.op),
-                  .dtype = static_cast<uint8_t>(c.dtype),
+                  .dtype = c.payload == Payload::kBytes ? kRawBytes : static_cast<uint8_t>(c.dtype),
                   .reduce = static_cast<uint8_t>(c.reduce),
                   .invalid = static_cast<uint8_t>(c.invalid.empty() ? 0 : 1)};
 }
@@ -92,7 +92,9 @@ Status check_headers(std::span<const OpHeader> headers,
   if (!same_dtype) {
     return make_error(ErrorCode::kInvalidArgument, "{}: ranks disagree on the dtype: {}", what,
                       group_ranks(headers, [](const OpHeader& h) {
-                        return std::string(dtype_name(static_cast<DType>(h.dtype)));
+                        return h.dtype == kRawBytes
+                                   ? std::string("raw bytes")
+                                   : std::string(dtype_name(static_cast<DType>(h.dtype)));
                       }));
   }
   auto op = static_cast<CollectiveOp>(h0.op);

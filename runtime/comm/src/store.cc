@@ -70,7 +70,7 @@ bool tokens_equal(std::string_view a, std::string_view b) {
   return diff == 0;
 }
 
-// Closes the descriptor it holds (STYLE.md 6).
+// The one owner of a descriptor: closes it on destruction.
 class Fd {
  public:
   explicit Fd(int fd) : fd_(fd) {}

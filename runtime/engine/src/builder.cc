@@ -108,11 +108,10 @@ class Builder {
     return Status::ok();
   }
 
-  // The smallest of every rank's `value` (all-gathered as raw 32-bit words).
+  // The smallest of every rank's `value`.
   Result<uint64_t> smallest_of_ranks(uint64_t value) {
     std::vector<uint64_t> all(e.world);
-    ZINF_RETURN_IF_ERROR(
-        e.comm.all_gather(&value, all.data(), sizeof(uint64_t) / 4, DType::kF32).wait());
+    ZINF_RETURN_IF_ERROR(e.comm.all_gather_bytes(&value, all.data(), sizeof value).wait());
     return *std::min_element(all.begin(), all.end());
   }
 

@@ -353,7 +353,7 @@ Result<std::string> save_checkpoint(EngineState& e, const json& scalars, const s
   ZINF_RETURN_IF_ERROR(agree(e.comm, check_between_steps(e, "save_checkpoint"), "save_checkpoint"));
   // Every rank writes into rank 0's temporary directory (its pid in the name).
   uint64_t pid = static_cast<uint64_t>(::getpid());
-  ZINF_RETURN_IF_ERROR(e.comm.broadcast(&pid, sizeof pid / 4, DType::kF32, 0).wait());
+  ZINF_RETURN_IF_ERROR(e.comm.broadcast_bytes(&pid, sizeof pid, 0).wait());
   std::string tmp = fmt::format("{}/tmp-{}-{}", root, step, pid);
   Status made;
   if (e.rank == 0) made = ckpt::create_temp_dir(root, step, pid).status();

@@ -1,5 +1,6 @@
 // What a ZeRO stage partitions and where each piece of state lives, computed once from the
-// stage (DESIGN.md's table). The engine's parts ask the policy; they never compare stage numbers.
+// stage (docs/engine.md's table). The engine's parts ask the policy; they never compare stage
+// numbers.
 //
 //   stage 0: every rank holds everything; gradients are all-reduced and every rank updates
 //            every shard (computing each rank's norm partial as that rank would);

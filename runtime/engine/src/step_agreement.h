@@ -16,14 +16,14 @@ class StepAgreement {
   StepAgreement(comm::Communicator& comm, uint64_t& control_elements)
       : comm_(comm), control_elements_(control_elements) {}
 
-  // Everyone's partial sum of squares in rank order (8 bytes per rank, gathered as raw bits). A
-  // rank that could not compute its partial passes kFailed.
+  // Everyone's partial sum of squares in rank order (8 bytes per rank, gathered as raw bytes:
+  // the communicator has no fp64). A rank that could not compute its partial passes kFailed.
   static constexpr double kFailed = -1;
   Result<std::vector<double>> exchange_partials(double partial) {
     const int world = comm_.world_size();
     std::vector<double> all(world);
-    comm::Work w = comm_.all_gather(&partial, all.data(), sizeof(double) / 4, DType::kF32);
-    control_elements_ += world * sizeof(double) / 4;
+    comm::Work w = comm_.all_gather_bytes(&partial, all.data(), sizeof partial);
+    control_elements_ += world * sizeof partial;  // a byte collective counts bytes
     ZINF_RETURN_IF_ERROR(w.wait());
     return all;
   }

@@ -12,7 +12,7 @@
 #include <thread>
 #include <vector>
 
-#include "budget_error.h"
+#include "block_cache.h"
 #include "event_state.h"
 #include "zinf/core/log.h"
 #include "zinf/core/units.h"
@@ -205,9 +205,9 @@ class Regions {
 
 class CpuDevice final : public Device {
  public:
-  explicit CpuDevice(const CpuDeviceOptions& o) : options_(o) {}
+  explicit CpuDevice(const CpuDeviceOptions& o) : options_(o), blocks_(o.budget_bytes) {}
   ~CpuDevice() override {
-    for (auto& [size, p] : cache_) unmap(p, size);
+    for (const BlockCache::Block& b : blocks_.drain()) unmap(b.data, b.bytes);
   }
 
   std::string name() const override { return options_.strict ? "cpu-strict" : "cpu"; }
@@ -215,33 +215,13 @@ class CpuDevice final : public Device {
   Result<DeviceBuffer> allocate(uint64_t bytes, MemoryCategory category) override {
     if (bytes == 0) return DeviceBuffer();
     uint64_t padded = align_up(bytes, 4096);
-    void* p = nullptr;
-    {
-      std::lock_guard lock(mu_);
-      // Freed blocks are kept mapped and reused by requests of the same size (as a GPU caching
-      // allocator does): fresh pages would cost a page fault each on first touch.
-      if (auto it = cache_.find(padded); it != cache_.end()) {
-        p = it->second;
-        cache_.erase(it);
-        cached_ -= padded;
-      } else {
-        // The budget covers blocks in use and cached ones; drop cached blocks to make room.
-        while (in_use_ + cached_ + padded > options_.budget_bytes && !cache_.empty()) {
-          auto last = std::prev(cache_.end());
-          unmap(last->second, last->first);
-          cached_ -= last->first;
-          cache_.erase(last);
-        }
-        if (in_use_ + padded > options_.budget_bytes) {
-          return device_budget_exhausted(bytes, category, in_use_, options_.budget_bytes);
-        }
-      }
-      in_use_ += padded;
-    }
-    if (p == nullptr) p = map(padded);
+    // Freed blocks stay mapped and are reused (block_cache.h): fresh pages would cost a page
+    // fault each on first touch.
+    ZINF_ASSIGN_OR_RETURN(BlockCache::Reservation r, blocks_.reserve(padded, bytes, category));
+    for (const BlockCache::Block& b : r.evicted) unmap(b.data, b.bytes);
+    void* p = r.reused != nullptr ? r.reused : map(padded);
     if (p == nullptr) {
-      std::lock_guard lock(mu_);
-      in_use_ -= padded;
+      blocks_.unreserve(padded);
       return make_error(ErrorCode::kOutOfMemory, "host allocator refused {} for device memory",
                         format_bytes(static_cast<double>(padded)));
     }
@@ -363,19 +343,13 @@ class CpuDevice final : public Device {
   }
 
   uint64_t budget_bytes() const override { return options_.budget_bytes; }
-  uint64_t bytes_in_use() const override {
-    std::lock_guard lock(mu_);
-    return in_use_;
-  }
+  uint64_t bytes_in_use() const override { return blocks_.in_use(); }
   Ledger* ledger() const override { return options_.ledger; }
 
  protected:
   void release(void* data, uint64_t bytes, MemoryCategory category) override {
     if (options_.ledger) options_.ledger->sub(Tier::kDevice, category, bytes);
-    std::lock_guard lock(mu_);
-    in_use_ -= bytes;
-    cache_.emplace(bytes, data);
-    cached_ += bytes;
+    blocks_.release(data, bytes);
   }
 
  private:
@@ -429,10 +403,7 @@ class CpuDevice final : public Device {
 
   CpuDeviceOptions options_;
   Regions regions_;
-  mutable std::mutex mu_;
-  uint64_t in_use_ = 0;
-  uint64_t cached_ = 0;
-  std::multimap<uint64_t, void*> cache_;  // size -> freed block kept for reuse
+  BlockCache blocks_;
 };
 
 }  // namespace

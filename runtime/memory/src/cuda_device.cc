@@ -26,7 +26,7 @@
 #include <mutex>
 #include <vector>
 
-#include "budget_error.h"
+#include "block_cache.h"
 #include "event_state.h"
 #include "zinf/core/log.h"
 #include "zinf/core/units.h"
@@ -191,56 +191,34 @@ CudaStream& as_cuda(Stream& s) { return static_cast<CudaStream&>(s); }
 
 class CudaDevice final : public Device {
  public:
-  CudaDevice(const DeviceOptions& options, int ordinal) : options_(options), ordinal_(ordinal) {}
+  CudaDevice(const DeviceOptions& options, int ordinal)
+      : options_(options), ordinal_(ordinal), blocks_(options.budget_bytes) {}
 
   std::string name() const override { return "cuda:" + std::to_string(ordinal_); }
 
   ~CudaDevice() override {
     bind(ordinal_);
-    for (auto& [size, p] : cache_) (void)cudaFree(p);
+    for (const BlockCache::Block& b : blocks_.drain()) (void)cudaFree(b.data);
     for (auto& [size, p] : staging_cache_) (void)cudaFreeHost(p);
   }
 
-  // A caching allocator, as the CPU device's: a freed block is kept and reused by the next
-  // request of its size, with no call into CUDA (cudaFree synchronises the whole device, which
-  // would stall every stream at each released unit). Blocks in use and cached ones share the
-  // budget; cached blocks are freed, largest first, when a new size needs the room. The engine
-  // releases a buffer only once the operations using it have completed (the device contract),
-  // so a reused block is never still in use.
+  // A caching allocator, as the CPU device's (block_cache.h): no call into CUDA for a reused
+  // block (cudaFree synchronises the whole device, which would stall every stream at each
+  // released unit).
   Result<DeviceBuffer> allocate(uint64_t bytes, MemoryCategory category) override {
     if (bytes == 0) return DeviceBuffer();
     const uint64_t padded = align_up(bytes, 4096);
-    void* p = nullptr;
-    std::vector<void*> evicted;  // freed outside the lock: cudaFree waits for the device
-    {
-      std::lock_guard lock(mu_);
-      if (auto it = cache_.find(padded); it != cache_.end()) {
-        p = it->second;
-        cache_.erase(it);
-        cached_ -= padded;
-      } else {
-        if (in_use_ + padded > options_.budget_bytes) {
-          return device_budget_exhausted(padded, category, in_use_, options_.budget_bytes);
-        }
-        while (in_use_ + cached_ + padded > options_.budget_bytes && !cache_.empty()) {
-          auto last = std::prev(cache_.end());
-          evicted.push_back(last->second);
-          cached_ -= last->first;
-          cache_.erase(last);
-        }
-      }
-      in_use_ += padded;
-    }
-    if (!evicted.empty()) {
+    ZINF_ASSIGN_OR_RETURN(BlockCache::Reservation r, blocks_.reserve(padded, padded, category));
+    if (!r.evicted.empty()) {
       bind(ordinal_);
-      for (void* e : evicted) (void)cudaFree(e);
+      for (const BlockCache::Block& b : r.evicted) (void)cudaFree(b.data);
     }
+    void* p = r.reused;
     if (p == nullptr) {
       bind(ordinal_);
       if (cudaError_t err = cudaMalloc(&p, padded); err != cudaSuccess) {
         (void)cudaGetLastError();  // not sticky: the next request may fit
-        std::lock_guard lock(mu_);
-        in_use_ -= padded;
+        blocks_.unreserve(padded);
         return make_error(ErrorCode::kOutOfMemory, "cudaMalloc of {} for {}: {}",
                           format_bytes(static_cast<double>(padded)), category_name(category),
                           cudaGetErrorString(err));
@@ -397,19 +375,13 @@ class CudaDevice final : public Device {
   }
 
   uint64_t budget_bytes() const override { return options_.budget_bytes; }
-  uint64_t bytes_in_use() const override {
-    std::lock_guard lock(mu_);
-    return in_use_;
-  }
+  uint64_t bytes_in_use() const override { return blocks_.in_use(); }
   Ledger* ledger() const override { return options_.ledger; }
 
  protected:
   void release(void* data, uint64_t bytes, MemoryCategory category) override {
     if (options_.ledger) options_.ledger->sub(Tier::kDevice, category, bytes);
-    std::lock_guard lock(mu_);
-    in_use_ -= bytes;
-    cache_.emplace(bytes, data);
-    cached_ += bytes;
+    blocks_.release(data, bytes);
   }
 
  private:
@@ -489,10 +461,7 @@ class CudaDevice final : public Device {
 
   DeviceOptions options_;
   int ordinal_ = 0;
-  mutable std::mutex mu_;
-  uint64_t in_use_ = 0;
-  uint64_t cached_ = 0;
-  std::multimap<uint64_t, void*> cache_;  // size -> freed block kept for reuse
+  BlockCache blocks_;
   // Pinned buffers of comm windows (staging()).
   std::mutex staging_mu_;
   std::multimap<uint64_t, void*> staging_cache_;  // size -> free buffer

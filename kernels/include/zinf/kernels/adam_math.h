@@ -1,4 +1,4 @@
-// The Adam/AdamW update of one element: the single copy of the optimizer math (STYLE.md 8).
+// The Adam/AdamW update of one element: the single copy of the optimizer math.
 //
 // adam_update() is written once over an arithmetic policy `Math` (mul, fma, sqrt, div) and a lane
 // type `T`: the scalar loop, the SIMD loops (T = __m256, __m512 with their own Math) and the CUDA

@@ -1,5 +1,5 @@
 // Element functions of the GPT's layers shared by the CPU loops (layers.cc) and the CUDA kernels
-// (cuda_layers.cu): one copy of the math (STYLE.md 8), so both compute the same IEEE operations
+// (cuda_layers.cu): one copy of the math, so both compute the same IEEE operations
 // in the same order. Plain multiplies and adds only: the CPU build contracts none of them (no FMA
 // in baseline x86-64) and cuda_layers.cu is compiled with --fmad=false, so the GELU of a value
 // has the same bits on both.

@@ -21,6 +21,13 @@
 //                       reduce_scatter over even_partition(count, world) followed by an
 //                       all_gather, so all_reduce == reduce_scatter + all_gather bit for bit.
 //   broadcast:          buffer holds count elements; after the op every rank has root's.
+//   all_gather_bytes, broadcast_bytes: all_gather and broadcast of raw bytes (integers, flags,
+//                       trivially copyable structs): counts are bytes, any count (not only
+//                       multiples of an element size), any alignment. No backend reads them as
+//                       numbers or converts them: every byte arrives as sent. Bytes are never
+//                       reduced. Traffic counts one element per byte, so the byte counters
+//                       (bytes_in ... bytes_received) are those of the same bytes sent as
+//                       elements of a dtype; volume_elements counts bytes.
 //   In place: all_gather with send == recv + displacement(rank), reduce_scatter with
 //   recv == send + displacement(rank), all_reduce with send == recv. Otherwise send and recv must
 //   not overlap.
@@ -81,10 +88,15 @@ inline constexpr std::chrono::milliseconds kDefaultTimeout{300'000};
 // more. all_reduce uses this split (it only affects the byte counters, never the values).
 std::vector<size_t> even_partition(size_t total, int world);
 
+// What a collective's elements are. kTyped: values of its `dtype`. kBytes: raw bytes, which no
+// backend reads as numbers (all_gather and broadcast only; counts are bytes, `dtype` is unused).
+enum class Payload : uint8_t { kTyped, kBytes };
+
 // One collective as a backend sees it.
 struct Collective {
   CollectiveOp op = CollectiveOp::kBarrier;
   DType dtype = DType::kF32;
+  Payload payload = Payload::kTyped;
   ReduceOp reduce = ReduceOp::kSum;
   const void* send = nullptr;  // broadcast: the buffer (read on the root)
   void* recv = nullptr;        // broadcast: the buffer (written on the other ranks)
@@ -100,6 +112,7 @@ struct Collective {
 
   size_t total() const;                 // sum of counts
   size_t displacement(int rank) const;  // sum of counts[0..rank)
+  size_t element_size() const;          // bytes per element: 1 for kBytes, else dtype_size(dtype)
 };
 
 // What one rank's part in one collective amounts to. Counted from the operation's shape, not
@@ -216,6 +229,10 @@ class Communicator {
                         ReduceOp op);
   Work all_reduce(const void* send, void* recv, size_t count, DType dtype, ReduceOp op);
   Work broadcast(void* buffer, size_t count, DType dtype, int root);
+  // Raw bytes (see "Shapes"): each rank contributes `bytes` bytes; recv holds world * bytes,
+  // rank j's at offset j * bytes.
+  Work all_gather_bytes(const void* send, void* recv, size_t bytes);
+  Work broadcast_bytes(void* buffer, size_t bytes, int root);
   Work barrier();
 
   CommCounters counters() const;

@@ -14,7 +14,7 @@
 //
 // Rank and world come from the first family that is present, in that order (torchrun, OpenMPI,
 // Slurm); none present means one rank. Without ZINF_COMM, launched processes take the backends in
-// order (STYLE.md 4): nccl when it is built and a GPU is visible, else mpi under mpirun or srun;
+// order: nccl when it is built and a GPU is visible, else mpi under mpirun or srun;
 // a torchrun-style world without a GPU is gloo (local for a world of one); no launcher at all is
 // one local rank. GLOO_SOCKET_IFNAME names the interface Gloo listens on (gloo.h).
 #pragma once

@@ -1,4 +1,4 @@
-// The one element function of every reduction in zinf's communicators (STYLE.md 8): the CPU
+// The one element function of every reduction in zinf's communicators: the CPU
 // loop (local and MPI backends) and the CUDA kernel (NCCL backend) both call it, so all three
 // produce the same bits. Compiles as C++17 for nvcc.
 #pragma once

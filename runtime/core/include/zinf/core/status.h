@@ -1,4 +1,4 @@
-// Two tiers of errors (STYLE.md 5):
+// Two tiers of errors:
 //  - Recoverable failures (I/O, allocation, bad input, a lost peer) travel up as a Status or a
 //    Result<T>; every level may add context ("tensor blocks.3.params", "file /nvme/swap-0.bin").
 //  - Broken invariants abort through ZINF_CHECK with file:line and the expression. A system call

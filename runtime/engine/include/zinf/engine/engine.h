@@ -332,7 +332,7 @@ struct CommReport {
   // Elements of the full buffers each rank took part in during the last step (ZeRO volumes).
   uint64_t param_gather_elements = 0;  // all-gathers of parameters
   uint64_t grad_reduce_elements = 0;   // reduce-scatters (P) or all-reduces (2P) of gradients
-  uint64_t control_elements = 0;       // norm partials, the step agreement flag
+  uint64_t control_elements = 0;       // norm partials (bytes), the step agreement flags
   uint64_t volume_elements() const { return param_gather_elements + grad_reduce_elements; }
   comm::CommCounters counters;  // the communicator's counters over the last step
 };

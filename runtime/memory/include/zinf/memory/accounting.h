@@ -1,6 +1,6 @@
 // Memory tiers and the accounting that proves the ZeRO arithmetic: current and peak bytes per
 // tier, per category, per rank. Every allocation of model state goes through a Ledger, so tests
-// and the CLI can hold the numbers against the formulas in DESIGN.md.
+// and the CLI can hold the numbers against the ZeRO formulas (the table in docs/engine.md).
 #pragma once
 
 #include <array>

@@ -1,5 +1,5 @@
 // Device, Stream, Event: the fastest tier, and a compute backend, behind one small contract
-// (STYLE.md 3; the shape of ggml-backend: buffer -> stream -> operations).
+// (the shape of ggml-backend: buffer -> stream -> operations).
 //
 //  - A Device allocates byte-budgeted buffers (going over budget is ErrorCode::kOutOfMemory
 //    naming the request and the budget, as on a GPU), creates streams, and runs operations on

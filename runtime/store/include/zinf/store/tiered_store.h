@@ -37,6 +37,18 @@
 //  - Errors from below (I/O error, no space, no memory) reach the caller of acquire(), evict()
 //    or flush() with the tensor named; the data stays valid in the tier that still holds it.
 //  - Thread-safe. Moves run on `movers` threads owned by the store.
+//
+// Locking (tiered_store.cc). Three mutexes, each with its condition variable:
+//  - `mu` (with `cv`) guards the tensors and their copies (validity, pins, readers, writers,
+//    moves in flight), the clock, the statistics and the ordered-prefetch generation. Allocation
+//    and eviction under a tier's budget happen with it held; it is released while bytes move
+//    (transfer() and the zeroing of new device storage run unlocked) and in cv waits.
+//  - `jobs_mu` (with `jobs_cv`) guards the movers' queues (`urgent`, `jobs`) and `stopping`. A
+//    mover holds it only to take a job, and runs the job after releasing it.
+//  - `lanes_mu` (with `lanes_cv`) guards the free transfer lanes (staging buffers and a stream).
+// Order: `mu` before `jobs_mu` (a move is queued with `mu` held; nothing takes `mu` while holding
+// `jobs_mu`). `lanes_mu` is a leaf taken with neither of the others held: a thread waiting for a
+// lane holds no store lock, so a transfer in progress can always finish and give its lane back.
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-// Flat units and shard layouts (STYLE.md 2).
+// Flat units and shard layouts: one flat buffer per unit, every view an offset into it.
 //
 // A unit (typically one transformer block) is a list of named parameters. Its parameters live in
 // one flat buffer, in declaration order, each at an offset (a view); the buffer is padded at the

@@ -22,11 +22,12 @@ struct OpHeader {
   uint64_t counts_hash = 0;  // FNV-1a over the counts vector
   int32_t root = 0;
   uint8_t op = 0;
-  uint8_t dtype = 0;
+  uint8_t dtype = 0;  // the DType, or kRawBytes for a collective of raw bytes
   uint8_t reduce = 0;
   uint8_t invalid = 0;  // this rank's arguments were rejected (Collective::invalid)
 };
 static_assert(sizeof(OpHeader) == 40);
+inline constexpr uint8_t kRawBytes = 0xff;  // OpHeader::dtype of a Payload::kBytes collective
 
 OpHeader make_header(const Collective& c, int rank);
 
