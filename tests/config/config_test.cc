@@ -120,7 +120,7 @@ TEST(Config, EmptyObjectGivesDeepSpeedDefaults) {
   EXPECT_EQ(c.zinf.host_mem, 0u);
   EXPECT_EQ(c.zinf.trace, "");
   EXPECT_EQ(c.zinf.seed, 0u);
-  EXPECT_TRUE(c.zinf.checksum);  // on by default (issue 16)
+  EXPECT_TRUE(c.zinf.checksum);  // on by default
   EXPECT_EQ(c.zinf.staging_bytes, 2u << 20);
   EXPECT_EQ(c.scheduler, SchedulerConfig{});
   EXPECT_EQ(c.scheduler.type, SchedulerConfig::Type::kNone);

@@ -191,7 +191,9 @@ Result<UnitScope> Engine::gather(size_t unit) {
   UnitScope scope;
   scope.unit_ = unit;
   scope.opened_ = trace::Clock::now();
-  ZINF_ASSIGN_OR_RETURN(scope.params_, impl_->gatherer.begin_use(unit, scope.param_handle_));
+  ZINF_ASSIGN_OR_RETURN(const TensorRef params,
+                        impl_->gatherer.begin_use(unit, scope.param_handle_));
+  scope.params_ = params.data;
   scope.engine_ = this;  // from here on the scope's end undoes the use
   return scope;
 }

@@ -32,12 +32,15 @@ Status Gatherer::on_use(size_t u) {
   return Status::ok();
 }
 
-Result<void*> Gatherer::begin_use(size_t u, TensorHandle& resident) {
+Result<TensorRef> Gatherer::begin_use(size_t u, TensorHandle& resident) {
   UnitState& st = e_.unit_states[u];
+  auto full = [&](void* data) {
+    return TensorRef{.data = data, .dtype = e_.s.dtype, .numel = st.layout.numel_padded};
+  };
   if (!e_.policy.sharded_params) {
     ZINF_ASSIGN_OR_RETURN(resident, e_.store->acquire(st.params, Tier::kDevice));
     ++st.scopes;
-    return resident.data();
+    return full(resident.data());
   }
   if (st.live()) {
     ++(st.used_since_gather ? e_.schedule_now.uses_served_kept : e_.schedule_now.uses_served_ahead);
@@ -70,7 +73,7 @@ Result<void*> Gatherer::begin_use(size_t u, TensorHandle& resident) {
     end_use(u);
     return ahead.is_ok() ? mine : ahead;
   }
-  return st.gathered_data();
+  return full(st.gathered_data());
 }
 
 void Gatherer::end_use(size_t u) {

@@ -30,9 +30,10 @@ class Gatherer {
   // cannot serve (an unfinished step, a unit already updated under overlap_optimizer).
   Status on_use(size_t u);
   // The unit's full parameters on the device for a scope, opened on the unit (`resident` pins the
-  // resident tensor when the parameters are not sharded). The next units' reads and all-gathers
-  // are issued before this one's all-gather is waited for.
-  Result<void*> begin_use(size_t u, TensorHandle& resident);
+  // resident tensor when the parameters are not sharded): numel_padded elements of the working
+  // dtype. The next units' reads and all-gathers are issued before this one's all-gather is
+  // waited for.
+  Result<TensorRef> begin_use(size_t u, TensorHandle& resident);
   // The scope on unit u ended: the last one lets its gathered parameters go unless the unit is
   // persistent or kept for a use soon.
   void end_use(size_t u);
