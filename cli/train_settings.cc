@@ -9,6 +9,7 @@
 
 #include "command.h"
 #include "zinf/core/units.h"
+#include "zinf/core/validate.h"
 #include "zinf/optim/lr_schedule.h"
 
 namespace zinf::cli {
@@ -39,15 +40,15 @@ config::OffloadDevice offload_flag(const char* flag, const std::string& v) {
   return *d;
 }
 
-// A budget flag: a positive size. 0 is refused rather than read as "unlimited" or "auto".
-uint64_t budget_flag(const char* flag, const std::string& text) {
-  uint64_t bytes = bytes_flag(flag, text);
-  if (bytes == 0) {
-    throw CliError(fmt::format("{}: expected a positive size such as 2G, got '{}'; leave the flag "
-                               "out for a budget that fits the machine (docs/engine.md)",
-                               flag, text),
-                   2);
-  }
+// A rule of zinf/core/validate.h, failed: a CliError (exit code 2) with its message.
+void check(const Status& s) {
+  if (!s.is_ok()) throw CliError(s.message(), 2);
+}
+
+// A budget flag: a positive size (validate::explicit_budget).
+uint64_t budget_flag(const t::Entry& e, const std::string& text) {
+  const uint64_t bytes = bytes_flag(std::string(e.flag).c_str(), text);
+  check(validate::explicit_budget(e, bytes));
   return bytes;
 }
 
@@ -280,7 +281,7 @@ TrainSettings build_train_settings(const TrainFlags& f, const config::Config* cf
 
   // The flags, onto the keys they stand for.
   if (f.stage) {
-    if (*f.stage < 0 || *f.stage > 3) throw CliError("--stage must be 0..3", 2);
+    check(validate::stage(*f.stage));
     c.zero.stage = *f.stage;
   }
   if (f.dtype) {
@@ -292,11 +293,11 @@ TrainSettings build_train_settings(const TrainFlags& f, const config::Config* cf
   if (f.lr) c.optimizer.lr = static_cast<float>(*f.lr);
   if (f.clip) c.gradient_clipping = static_cast<float>(*f.clip);
   if (f.grad_accum) {
-    if (*f.grad_accum < 1) throw CliError("--grad-accum must be >= 1", 2);
+    check(validate::positive(*entry(t::kGradientAccumulationSteps.name), *f.grad_accum));
     c.gradient_accumulation_steps = *f.grad_accum;
   }
   if (f.batch) {
-    if (*f.batch < 1) throw CliError("--batch must be >= 1", 2);
+    check(validate::positive(*entry(t::kMicroBatch.name), *f.batch));
     c.train_micro_batch_size_per_gpu = *f.batch;
   }
   if (f.seed) c.zinf.seed = *f.seed;
@@ -319,8 +320,8 @@ TrainSettings build_train_settings(const TrainFlags& f, const config::Config* cf
   }
   if (f.sub_group) c.zero.sub_group_size = elements_flag("--sub-group", *f.sub_group);
   if (f.overlap_optimizer) c.zinf.overlap_optimizer = true;
-  if (f.device_mem) c.zinf.device_mem = budget_flag("--device-mem", *f.device_mem);
-  if (f.host_mem) c.zinf.host_mem = budget_flag("--host-mem", *f.host_mem);
+  if (f.device_mem) c.zinf.device_mem = budget_flag(*entry(t::kDeviceMem.name), *f.device_mem);
+  if (f.host_mem) c.zinf.host_mem = budget_flag(*entry(t::kHostMem.name), *f.host_mem);
   if (f.trace) c.zinf.trace = *f.trace;
   if (f.no_checksum) c.zinf.checksum = false;
   apply_schedule_flags(f, c);
@@ -334,20 +335,9 @@ TrainSettings build_train_settings(const TrainFlags& f, const config::Config* cf
 
   // DeepSpeed's rule for an absent overlap_comm, applied to the stage in the end.
   const bool overlap_rule = !sets(entry(t::kOverlapComm.name));
-  if (overlap_rule) c.zero.overlap_comm = c.zero.stage == 3;
+  if (overlap_rule) c.zero.overlap_comm = t::overlap_comm_for_stage(c.zero.stage);
 
-  // The combinations, in the flags' words first (the config reader says it in the keys').
-  if (c.zero.offload_param.enabled() && c.zero.stage != 3) {
-    throw CliError(
-        fmt::format("parameter offload needs ZeRO stage 3 (--stage 3), got stage {}", c.zero.stage),
-        2);
-  }
-  for (const auto& [flag, block] : {std::pair{"--offload-param", &c.zero.offload_param},
-                                    {"--offload-optimizer", &c.zero.offload_optimizer}}) {
-    if (block->device == config::OffloadDevice::kNvme && block->nvme_path.empty()) {
-      throw CliError(fmt::format("{} nvme needs a swap directory: --nvme-path DIR", flag), 2);
-    }
-  }
+  // The combinations (validate.h's rules, whose errors name the flags and the keys).
   if (Status s = config::resolve_batch_sizes(c, world); !s.is_ok()) throw CliError(s.detail(), 2);
   Result<EngineSettings> e = settings_from_config(c);
   if (!e.is_ok()) throw CliError(e.status().detail(), 2);

@@ -315,16 +315,24 @@ TEST(Tunables, BadFlagsAreErrorsNamingTheFlag) {
     const char* message;
   };
   const Bad cases[] = {
-      {{.device_mem = "0"}, "--device-mem: expected a positive size such as 2G, got '0'"},
-      {{.host_mem = "0G"}, "--host-mem: expected a positive size such as 2G, got '0G'"},
+      {{.device_mem = "0"},
+       "zinf.device_mem (--device-mem): expected a positive byte count such as 2G, got 0; leave it "
+       "out"},
+      {{.host_mem = "0G"},
+       "zinf.host_mem (--host-mem): expected a positive byte count such as 2G, got 0"},
       {{.host_mem = "lots"}, "--host-mem"},
-      {{.stage = 4}, "--stage must be 0..3"},
+      {{.stage = 4}, "zero_optimization.stage (--stage): expected an integer in 0..3, got 4"},
       {{.dtype = "fp8"}, "--dtype must be fp32, bf16 or fp16, got 'fp8'"},
-      {{.stage = 2, .offload_param = "cpu"}, "parameter offload needs ZeRO stage 3"},
-      {{.offload_param = "nvme"}, "--offload-param nvme needs a swap directory: --nvme-path DIR"},
+      {{.stage = 2, .offload_param = "cpu"},
+       "zero_optimization.offload_param.device (--offload-param): parameter offload needs "
+       "zero_optimization.stage 3 (--stage 3), got device \"cpu\" with stage 2"},
+      {{.offload_param = "nvme"},
+       "zero_optimization.offload_param.nvme_path (--nvme-path DIR): expected a directory on the "
+       "NVMe file system (or a list of them) for device \"nvme\" (--offload-param nvme), got none"},
       {{.offload_optimizer = "disk"}, "--offload-optimizer must be none, cpu or nvme"},
       {{.max_live = "1.5"}, "--max-live: expected a non-negative whole number of elements"},
-      {{.grad_accum = 0}, "--grad-accum must be >= 1"},
+      {{.grad_accum = 0},
+       "gradient_accumulation_steps (--grad-accum): expected a positive integer, got 0"},
   };
   for (const Bad& bad : cases) {
     try {
@@ -338,7 +346,8 @@ TEST(Tunables, BadFlagsAreErrorsNamingTheFlag) {
   // The config's own zero budget is refused by the reader, naming the key.
   Result<config::Config> c = config::parse_config_text(R"({"zinf": {"host_mem": 0}})");
   ASSERT_FALSE(c.is_ok());
-  EXPECT_THAT(c.status().message(), HasSubstr("zinf.host_mem: expected a positive byte count"));
+  EXPECT_THAT(c.status().message(),
+              HasSubstr("zinf.host_mem (--host-mem): expected a positive byte count"));
 }
 
 // ---- the learning-rate schedule and DeepSpeed's "auto"

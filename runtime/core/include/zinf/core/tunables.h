@@ -245,11 +245,13 @@ inline constexpr Tunable<uint64_t> kReduceBucket{
     .json = "zero_optimization.reduce_bucket_size",
     .doc = "gradient elements reduced at once",
 };
+// DeepSpeed's default for an absent overlap_comm, which depends on the stage: on for stage 3. The
+// config reader and `zinf train` apply it when nothing sets the key.
+constexpr bool overlap_comm_for_stage(int stage) { return stage == 3; }
+
 inline constexpr Tunable<bool> kOverlapComm{
     .name = "overlap_comm",
-    // DeepSpeed's default depends on the stage: true for stage 3. The config reader applies that
-    // rule when the key is absent; this is the value for the default stage, 0.
-    .value = false,
+    .value = overlap_comm_for_stage(kStage.value),  // the default stage's
     .json = "zero_optimization.overlap_comm",
     .doc = "leave gradient reductions in flight across unit scopes (default: stage == 3)",
 };

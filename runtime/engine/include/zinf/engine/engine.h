@@ -64,6 +64,10 @@ struct EngineSettings {
            : offload_device == "cpu" ? Tier::kHost
                                      : Tier::kDevice;
   }
+  // The other way round: the device a home tier is named by in the table.
+  static constexpr std::string_view home_name(Tier home) {
+    return home == Tier::kNvme ? "nvme" : home == Tier::kHost ? "cpu" : "none";
+  }
 
   int stage = tunables::kStage.value;    // ZeRO stage 0..3
   DType dtype = tunables::kDtype.value;  // working parameters and gradients
