@@ -14,6 +14,7 @@
 #include "train_settings.h"
 #include "zinf/comm/factory.h"
 #include "zinf/core/log.h"
+#include "zinf/core/state_bytes.h"
 #include "zinf/core/trace.h"
 #include "zinf/core/tunables.h"
 #include "zinf/core/units.h"
@@ -115,7 +116,8 @@ void print_memory_table(const gpt::TrainReport& r, DType dtype) {
   // Plain data parallelism holds everything on every rank: params and grads in the working
   // dtype, fp32 master (mixed precision), m and v.
   const double wsize = static_cast<double>(dtype_size(dtype));
-  const double plain = P * (2 * wsize + (wsize == 4 ? 0 : 4) + 8);
+  const double plain = P * (2 * wsize + static_cast<double>(optimizer_state_bytes_per_element(
+                                            dtype, Accumulator::kExcluded)));
   std::printf("\nMemory per rank (peak), against plain data parallelism (%s on the device):\n",
               format_bytes(plain).c_str());
   std::printf("  %-5s %-12s %-12s %-12s %s\n", "rank", "device", "host", "nvme",

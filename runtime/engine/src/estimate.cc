@@ -6,6 +6,7 @@
 
 #include "stage_policy.h"
 #include "state_sizes.h"
+#include "zinf/core/state_bytes.h"
 #include "zinf/core/units.h"
 
 namespace zinf {
@@ -137,7 +138,7 @@ Result<EstimateRow> estimate_row(const Placement& p, const std::vector<uint64_t>
   // Traffic per rank per step.
   row.collective_bytes = (policy.sharded_params ? 3 : 2) * T * w;
   const uint64_t uses = row.live_window_elements >= T && s.max_reuse_distance > 0 ? 1 : 2;
-  const uint64_t opt_state = 8 + 4 + (mixed ? 4 : 0);  // m, v, accumulator, master
+  const uint64_t opt_state = optimizer_state_bytes_per_element(s.dtype, Accumulator::kIncluded);
   if (opt_off) row.pcie_bytes += owned * w + (param_off ? 0 : owned * w);
   if (param_off) row.pcie_bytes += uses * rank_params * w;
   if (p.optimizer_home == Tier::kNvme) {
