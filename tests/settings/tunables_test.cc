@@ -144,6 +144,18 @@ TEST(Tunables, EngineSettingsDefaultsAreTheTable) {
   }
 }
 
+// Each EngineSettings field the table names is the one settings_json() reads.
+TEST(Tunables, EngineFieldsAreTheEngineEntries) {
+  std::set<std::string> fields;
+  for (const EngineField& f : engine_fields()) fields.insert(std::string(f.name));
+  EXPECT_EQ(fields, engine_entry_names());
+  EngineSettings s;
+  s.io_rings = 3;
+  for (const EngineField& f : engine_fields()) {
+    EXPECT_EQ(f.get(s) == f.get(EngineSettings{}), f.name != t::kIoRings.name) << f.name;
+  }
+}
+
 // ---- the config reader
 // ----------------------------------------------------------------------------
 

@@ -5,24 +5,15 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 
 namespace zinf {
 namespace {
 
+namespace t = tunables;
+
 Tier tier_of(config::OffloadDevice d) {
   return EngineSettings::home_tier(config::offload_device_name(d));
-}
-
-std::string_view offload_name(Tier t) {
-  switch (t) {
-    case Tier::kDevice:
-      return "none";
-    case Tier::kHost:
-      return "cpu";
-    case Tier::kNvme:
-      return "nvme";
-  }
-  return "none";
 }
 
 // The shortest decimal that reads back to the same float ("0.003", not 0.003000000026077032).
@@ -32,6 +23,102 @@ nlohmann::json float_json(float f) {
   if (static_cast<float>(d) != f) d = static_cast<double>(f);
   return d;
 }
+
+// A field's value in the table's form.
+template <class T>
+nlohmann::json value_json(const T& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return float_json(v);
+  } else if constexpr (std::is_same_v<T, DType>) {
+    return dtype_name(v);
+  } else if constexpr (std::is_same_v<T, Tier>) {
+    return EngineSettings::home_name(v);
+  } else if constexpr (std::is_same_v<T, DeviceKind>) {
+    return device_kind_name(v);
+  } else if constexpr (std::is_same_v<T, kernels::WeightDecayMode>) {
+    return v == kernels::WeightDecayMode::kDecoupled;  // adam.adam_w_mode
+  } else {
+    return v;  // integers, bools, double, the list of paths
+  }
+}
+
+template <auto Member>
+constexpr EngineField field(std::string_view name) {
+  return {name, [](const EngineSettings& s) { return value_json(s.*Member); }};
+}
+template <auto Member>
+constexpr EngineField adam_field(std::string_view name) {
+  return {name, [](const EngineSettings& s) { return value_json(s.adam.*Member); }};
+}
+
+using S = EngineSettings;
+using Adam = kernels::AdamConfig;
+
+// Every EngineSettings field, by the entry that declares it.
+constexpr EngineField kFields[] = {
+    field<&S::stage>(t::kStage.name),
+    field<&S::dtype>(t::kDtype.name),
+    field<&S::gradient_accumulation_steps>(t::kGradientAccumulationSteps.name),
+    field<&S::gradient_clipping>(t::kGradientClipping.name),
+    adam_field<&Adam::lr>(t::kLr.name),
+    adam_field<&Adam::beta1>(t::kBeta1.name),
+    adam_field<&Adam::beta2>(t::kBeta2.name),
+    adam_field<&Adam::eps>(t::kEps.name),
+    adam_field<&Adam::weight_decay>(t::kWeightDecay.name),
+    adam_field<&Adam::weight_decay_mode>(t::kAdamWMode.name),
+    adam_field<&Adam::bias_correction>(t::kBiasCorrection.name),
+    field<&S::static_loss_scale>(t::kStaticLossScale.name),
+    field<&S::initial_scale_power>(t::kInitialScalePower.name),
+    field<&S::loss_scale_window>(t::kLossScaleWindow.name),
+    field<&S::hysteresis>(t::kHysteresis.name),
+    field<&S::min_loss_scale>(t::kMinLossScale.name),
+    field<&S::max_nonfinite_steps>(t::kMaxNonfiniteSteps.name),
+    field<&S::reduce_bucket_elements>(t::kReduceBucket.name),
+    field<&S::overlap_comm>(t::kOverlapComm.name),
+    field<&S::sub_group_elements>(t::kSubGroup.name),
+    field<&S::prefetch_bucket_elements>(t::kPrefetchBucket.name),
+    field<&S::max_live_elements>(t::kMaxLive.name),
+    field<&S::max_reuse_distance>(t::kMaxReuseDistance.name),
+    field<&S::param_persistence_threshold>(t::kParamPersistenceThreshold.name),
+    field<&S::param_home>(t::kParamHome.name),
+    field<&S::optimizer_home>(t::kOptimizerHome.name),
+    field<&S::optimizer_offload_ratio>(t::kOptimizerOffloadRatio.name),
+    field<&S::nvme_paths>(t::kNvmePaths.name),
+    field<&S::param_max_in_cpu>(t::kParamMaxInCpu.name),
+    field<&S::staging_buffers>(t::kStagingBuffers.name),
+    field<&S::staging_bytes>(t::kStagingBytes.name),
+    field<&S::pin_memory>(t::kPinMemory.name),
+    field<&S::pipeline_read>(t::kPipelineRead.name),
+    field<&S::pipeline_write>(t::kPipelineWrite.name),
+    field<&S::io_block_size>(t::kIoBlockSize.name),
+    field<&S::io_queue_depth>(t::kIoQueueDepth.name),
+    field<&S::io_rings>(t::kIoRings.name),
+    field<&S::io_single_submit>(t::kIoSingleSubmit.name),
+    field<&S::device_mem>(t::kDeviceMem.name),
+    field<&S::host_mem>(t::kHostMem.name),
+    field<&S::overlap_optimizer>(t::kOverlapOptimizer.name),
+    field<&S::update_behind>(t::kUpdateBehind.name),
+    field<&S::checksum>(t::kChecksum.name),
+    field<&S::seed>(t::kSeed.name),
+    field<&S::device>(t::kDevice.name),
+    field<&S::device_ordinal>(t::kDeviceOrdinal.name),
+    field<&S::optimizer_threads>(t::kOptimizerThreads.name),
+    field<&S::io_fixed_buffers>(t::kIoFixedBuffers.name),
+};
+
+// Each field's entry is in the table, read by the engine, and the table has no other engine entry.
+constexpr bool fields_are_the_engine_entries() {
+  size_t engine_entries = 0;
+  for (const t::Entry& e : t::kAll) engine_entries += e.reader == t::Reader::kEngine;
+  if (engine_entries != std::size(kFields)) return false;
+  for (const EngineField& f : kFields) {
+    const t::Entry* e = t::find(f.name);
+    if (e == nullptr || e->reader != t::Reader::kEngine) return false;
+  }
+  return true;
+}
+static_assert(fields_are_the_engine_entries(),
+              "an engine entry of tunables.h without its line in kFields, or the other way round");
 
 }  // namespace
 
@@ -98,57 +185,11 @@ Result<EngineSettings> settings_from_config(const config::Config& c) {
   return s;
 }
 
+std::span<const EngineField> engine_fields() { return kFields; }
+
 nlohmann::json settings_json(const EngineSettings& s) {
-  using nlohmann::json;
-  json j = json::object();
-  j["stage"] = s.stage;
-  j["dtype"] = dtype_name(s.dtype);
-  j["gradient_accumulation_steps"] = s.gradient_accumulation_steps;
-  j["gradient_clipping"] = float_json(s.gradient_clipping);
-  j["adam.lr"] = float_json(s.adam.lr);
-  j["adam.beta1"] = float_json(s.adam.beta1);
-  j["adam.beta2"] = float_json(s.adam.beta2);
-  j["adam.eps"] = float_json(s.adam.eps);
-  j["adam.weight_decay"] = float_json(s.adam.weight_decay);
-  j["adam.adam_w_mode"] = s.adam.weight_decay_mode == kernels::WeightDecayMode::kDecoupled;
-  j["adam.bias_correction"] = s.adam.bias_correction;
-  j["static_loss_scale"] = float_json(s.static_loss_scale);
-  j["initial_scale_power"] = s.initial_scale_power;
-  j["loss_scale_window"] = s.loss_scale_window;
-  j["hysteresis"] = s.hysteresis;
-  j["min_loss_scale"] = float_json(s.min_loss_scale);
-  j["reduce_bucket_elements"] = s.reduce_bucket_elements;
-  j["overlap_comm"] = s.overlap_comm;
-  j["sub_group_elements"] = s.sub_group_elements;
-  j["prefetch_bucket_elements"] = s.prefetch_bucket_elements;
-  j["max_live_elements"] = s.max_live_elements;
-  j["max_reuse_distance"] = s.max_reuse_distance;
-  j["param_persistence_threshold"] = s.param_persistence_threshold;
-  j["param_home"] = offload_name(s.param_home);
-  j["optimizer_home"] = offload_name(s.optimizer_home);
-  j["optimizer_offload_ratio"] = s.optimizer_offload_ratio;
-  j["nvme_paths"] = s.nvme_paths;
-  j["param_max_in_cpu"] = s.param_max_in_cpu;
-  j["staging_buffers"] = s.staging_buffers;
-  j["staging_bytes"] = s.staging_bytes;
-  j["pin_memory"] = s.pin_memory;
-  j["pipeline_read"] = s.pipeline_read;
-  j["pipeline_write"] = s.pipeline_write;
-  j["io_block_size"] = s.io_block_size;
-  j["io_queue_depth"] = s.io_queue_depth;
-  j["io_rings"] = s.io_rings;
-  j["io_single_submit"] = s.io_single_submit;
-  j["io_fixed_buffers"] = s.io_fixed_buffers;
-  j["device_mem"] = s.device_mem;
-  j["host_mem"] = s.host_mem;
-  j["overlap_optimizer"] = s.overlap_optimizer;
-  j["update_behind"] = s.update_behind;
-  j["checksum"] = s.checksum;
-  j["max_nonfinite_steps"] = s.max_nonfinite_steps;
-  j["seed"] = s.seed;
-  j["device"] = device_kind_name(s.device);
-  j["device_ordinal"] = s.device_ordinal;
-  j["optimizer_threads"] = s.optimizer_threads;
+  nlohmann::json j = nlohmann::json::object();
+  for (const EngineField& f : kFields) j[std::string(f.name)] = f.get(s);
   return j;
 }
 

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <nlohmann/json.hpp>
+#include <span>
+#include <string_view>
 
 #include "zinf/config/config.h"
 #include "zinf/core/tunables.h"
@@ -13,6 +15,16 @@ namespace zinf {
 // Maps every key the engine acts on. Keys accepted but not acted upon are not in the Config at
 // all (config::accepted_but_ignored_keys(); parse_config warns about them).
 Result<EngineSettings> settings_from_config(const config::Config& c);
+
+// One EngineSettings field: the table entry that declares it (its name) and its value in the
+// table's form (below).
+struct EngineField {
+  std::string_view name;
+  nlohmann::json (*get)(const EngineSettings& s);
+};
+// Every EngineSettings field, one per engine entry of the table (a compile-time check in
+// settings.cc holds the two lists together).
+std::span<const EngineField> engine_fields();
 
 // Every EngineSettings field, keyed by its table name (each tunables::kAll entry read by the
 // engine, and nothing else), in the table's form: enums by name ("fp32", "nvme", "cpu-strict"),
