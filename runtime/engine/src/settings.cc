@@ -200,7 +200,7 @@ nlohmann::json tunable_json(const tunables::Entry& e, const tunables::Value& v) 
         if constexpr (std::is_same_v<T, float>) {
           return float_json(x);
         } else if constexpr (std::is_same_v<T, std::string_view>) {
-          if (e.name == tunables::kNvmePaths.name) return nlohmann::json::array();
+          if (e.list) return nlohmann::json::array();
           return std::string(x);
         } else {
           return x;
