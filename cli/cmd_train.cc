@@ -51,6 +51,7 @@ struct Args {
   int sample = 0;
   bool quiet = false;
   bool describe = false;
+  bool show_settings = false;
   TrainFlagOptions tunables;
 };
 
@@ -180,7 +181,7 @@ void run(const Args& a, const CLI::App& sub) {
                          : "",
                 e.stage, dtype_name(e.dtype).data(), tier_name(e.param_home).data(),
                 tier_name(e.optimizer_home).data());
-    std::printf("%s", settings_block(ts).c_str());
+    std::printf("%s", a.show_settings ? settings_block(ts).c_str() : settings_line(ts).c_str());
     if (!o.init_from.empty()) std::printf("initial weights from %s\n", o.init_from.c_str());
     std::fflush(stdout);
   }
@@ -410,6 +411,9 @@ const Registration kTrain{
                      "--save-dir writes the weights as loaded)");
       sub.add_option("--sample", a->sample, "Generate this many bytes of text at the end");
       sub.add_flag("--quiet", a->quiet, "Print nothing but errors");
+      sub.add_flag("--show-settings", a->show_settings,
+                   "Print every setting at start-up, each marked where it came from (by default "
+                   "one line names those not left at the table's default)");
       sub.add_flag("--describe", a->describe,
                    "Print the model's shape and parameter count as JSON and exit");
       sub.callback([a, &sub] { run(*a, sub); });

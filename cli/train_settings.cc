@@ -606,6 +606,21 @@ nlohmann::ordered_json settings_log_line(const TrainSettings& s) {
   return line;
 }
 
+std::string settings_line(const TrainSettings& s) {
+  nlohmann::ordered_json values = effective_settings_json(s);
+  std::string out = "settings not left at the table's default (--show-settings: all):";
+  for (const t::Entry& e : t::kAll) {
+    auto it = s.sources.find(e.name);
+    if (it == s.sources.end()) continue;
+    const TrainSettings::AutoValue* a = auto_note(s, e);
+    out += fmt::format(" {}={} ({})", e.name, value_text(e, values[std::string(e.name)]),
+                       it->second == Source::kAuto && a != nullptr
+                           ? fmt::format("auto: {}", a->from)
+                           : std::string(source_name(it->second)));
+  }
+  return out + "\n";
+}
+
 std::string settings_block(const TrainSettings& s, size_t width) {
   nlohmann::ordered_json values = effective_settings_json(s);
   // At most 100 columns, as the lines below.

@@ -101,10 +101,15 @@ nlohmann::ordered_json effective_settings_json(const TrainSettings& s);
 // table's default; "auto" and "scheduler" only when there are any).
 nlohmann::ordered_json settings_log_line(const TrainSettings& s);
 
-// The start-up block: "settings ..." and indented lines of `name=value`, each marked with where
-// it came from unless it is the table's default ("(auto: ...)" for the config's "auto"); then the
-// schedule's parameters and every "auto" key with what it resolved to; lines of at most `width`
-// columns.
+// The start-up line: every setting not left at the table's default (set by a flag, the config,
+// zinf train's own default, DeepSpeed's stage rule or an "auto"), `name=value (source)`, on one
+// line.
+std::string settings_line(const TrainSettings& s);
+
+// The whole table (--show-settings): "settings ..." and indented lines of `name=value`, each
+// marked with where it came from unless it is the table's default ("(auto: ...)" for the config's
+// "auto"); then the schedule's parameters and every "auto" key with what it resolved to; lines of
+// at most `width` columns.
 std::string settings_block(const TrainSettings& s, size_t width = 100);
 
 }  // namespace zinf::cli

@@ -588,6 +588,8 @@ TEST(Tunables, AutoValuesAreResolvedFromTheRunAndShown) {
   EXPECT_EQ(s.sources.at("warmup_num_steps"), Source::kFlag);
   const std::string block = cli::settings_block(s);
   EXPECT_THAT(block, HasSubstr("reduce_bucket_elements=589824 (auto: hidden^2, hidden 768)"));
+  EXPECT_THAT(cli::settings_line(s),
+              HasSubstr(" reduce_bucket_elements=589824 (auto: hidden^2, hidden 768)"));
   EXPECT_THAT(block, HasSubstr("param_persistence_threshold=7680 elements (auto: 10 hidden"));
   EXPECT_THAT(block, HasSubstr("io_queue_depth=8 (auto: its default: nothing in the run decides"));
   EXPECT_THAT(block, HasSubstr("lr schedule WarmupDecayLR:\n  total_num_steps=120"));
@@ -697,6 +699,32 @@ TEST(Tunables, TheComparisonIsNotVacuous) {
   const t::Entry& queue_depth = *t::find("io_queue_depth");
   EXPECT_NE(settings_json(EngineSettings{}).at("io_queue_depth"),
             tunable_json(queue_depth, t::Value(uint64_t{32})));
+}
+
+// The start-up line names what is not left at the table's default, with its source, and nothing
+// else (a value the config sets to the default's included).
+TEST(Tunables, TheStartUpLineNamesWhatIsNotTheDefault) {
+  const TrainSettings s = cli_run({{"--stage", {"2"}}, {"--host-mem", {"1G"}}},
+                                  R"({"aio": {"queue_depth": 4}, "zinf": {"seed": 0}})");
+  const std::string line = cli::settings_line(s);
+  EXPECT_EQ(std::count(line.begin(), line.end(), '\n'), 1) << line;
+  EXPECT_EQ(line.back(), '\n');
+  EXPECT_THAT(line, ::testing::StartsWith("settings "));
+  EXPECT_THAT(line, HasSubstr(" stage=2 (flag) "));
+  EXPECT_THAT(line, HasSubstr(" host_mem=1024 MiB (flag)"));
+  EXPECT_THAT(line, HasSubstr(" io_queue_depth=4 (config)"));
+  EXPECT_THAT(line, HasSubstr(" seed=0 (config)")) << "set by the config, at the default's value";
+  EXPECT_THAT(line, HasSubstr(" adam.lr=0.003 (zinf train)"));
+  EXPECT_THAT(line, HasSubstr(" micro_batch=8 (zinf train)"));
+  size_t named = 0;
+  for (const t::Entry& e : t::kAll) {
+    const bool shown = line.find(" " + std::string(e.name) + "=") != std::string::npos;
+    EXPECT_EQ(shown, s.sources.contains(e.name)) << e.name;
+    named += shown;
+  }
+  EXPECT_EQ(named, s.sources.size());
+  EXPECT_THAT(line, ::testing::Not(HasSubstr("device_mem=")));
+  EXPECT_THAT(line, ::testing::Not(HasSubstr("adam.beta1=")));
 }
 
 TEST(Tunables, TheStartUpBlockAndTheLogLineNameEverySetting) {

@@ -8,8 +8,8 @@
 //     holds the list to the engine entries);
 //   - `zinf train` (cli/train_settings.cc) registers every `flag` with the doc, the JSON key and
 //     the default as its help, sets the config field of the entry's JSON key from it (so a flag
-//     means exactly what its key means), applies the `train` values, and prints every entry at
-//     start-up with where its value came from;
+//     means exactly what its key means), applies the `train` values, and names every entry not left
+//     at its default in its start-up line (all of them with --show-settings and in --log-json);
 //   - the rules that several readers apply (zinf/core/validate.h) name a setting by its JSON key
 //     and flag.
 // tests/settings checks that the engine, the config reader and `zinf train` agree, entry by entry.
