@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 
@@ -11,10 +12,6 @@ namespace zinf {
 namespace {
 
 namespace t = tunables;
-
-Tier tier_of(config::OffloadDevice d) {
-  return EngineSettings::home_tier(config::offload_device_name(d));
-}
 
 // The shortest decimal that reads back to the same float ("0.003", not 0.003000000026077032).
 nlohmann::json float_json(float f) {
@@ -42,13 +39,31 @@ nlohmann::json value_json(const T& v) {
   }
 }
 
+// A field's value from the table's form (the effective configuration's JSON).
+template <class T>
+void from_json(const nlohmann::json& v, T& out) {
+  if constexpr (std::is_same_v<T, float>) {
+    out = static_cast<float>(v.get<double>());  // float_json's decimal reads back to the float
+  } else if constexpr (std::is_same_v<T, Tier>) {
+    out = EngineSettings::home_tier(v.get<std::string>());
+  } else if constexpr (std::is_same_v<T, kernels::WeightDecayMode>) {
+    out = v.get<bool>() ? kernels::WeightDecayMode::kDecoupled : kernels::WeightDecayMode::kL2;
+  } else if constexpr (std::is_same_v<T, DType> || std::is_same_v<T, DeviceKind>) {
+    throw std::logic_error("no single JSON key sets the precision or the device");
+  } else {
+    out = v.get<T>();
+  }
+}
+
 template <auto Member>
 constexpr EngineField field(std::string_view name) {
-  return {name, [](const EngineSettings& s) { return value_json(s.*Member); }};
+  return {name, [](const EngineSettings& s) { return value_json(s.*Member); },
+          [](const nlohmann::json& v, EngineSettings& s) { from_json(v, s.*Member); }};
 }
 template <auto Member>
 constexpr EngineField adam_field(std::string_view name) {
-  return {name, [](const EngineSettings& s) { return value_json(s.adam.*Member); }};
+  return {name, [](const EngineSettings& s) { return value_json(s.adam.*Member); },
+          [](const nlohmann::json& v, EngineSettings& s) { from_json(v, s.adam.*Member); }};
 }
 
 using S = EngineSettings;
@@ -124,27 +139,25 @@ static_assert(fields_are_the_engine_entries(),
 
 Result<EngineSettings> settings_from_config(const config::Config& c) {
   EngineSettings s;
-  s.stage = c.zero.stage;
+  // Every engine entry with one JSON key takes the value the configuration holds there (a key
+  // to_json leaves out, a budget at 0 for "auto", keeps the default).
+  const nlohmann::json effective = config::to_json(c);
+  for (const EngineField& f : kFields) {
+    const t::Entry& e = *t::find(f.name);
+    if (e.json.empty() || e.json.find(',') != std::string_view::npos) continue;
+    std::string pointer = "/" + std::string(e.json);
+    std::replace(pointer.begin(), pointer.end(), '.', '/');
+    const nlohmann::json::json_pointer at(pointer);
+    if (effective.contains(at) && effective.at(at).is_primitive()) f.set(effective.at(at), s);
+  }
+  // What one key does not say: the entries of several keys, two entries of one key (betas), and
+  // the settings that depend on more than their key.
   s.dtype = c.working_dtype();
-  s.gradient_accumulation_steps = static_cast<int>(c.gradient_accumulation_steps);
-  s.gradient_clipping = c.gradient_clipping;
-  s.adam.lr = c.optimizer.lr;
+  s.gradient_accumulation_steps = static_cast<int>(c.gradient_accumulation_steps);  // 0: derive
   s.adam.beta1 = c.optimizer.beta1;
   s.adam.beta2 = c.optimizer.beta2;
-  s.adam.eps = c.optimizer.eps;
-  s.adam.weight_decay = c.optimizer.weight_decay;
   s.adam.weight_decay_mode = c.optimizer.adam_w_mode ? kernels::WeightDecayMode::kDecoupled
                                                      : kernels::WeightDecayMode::kL2;
-  s.adam.bias_correction = c.optimizer.bias_correction;
-  s.static_loss_scale = c.fp16.loss_scale;
-  s.initial_scale_power = c.fp16.initial_scale_power;
-  s.loss_scale_window = c.fp16.loss_scale_window;
-  s.hysteresis = c.fp16.hysteresis;
-  s.min_loss_scale = c.fp16.min_loss_scale;
-  s.reduce_bucket_elements = c.zero.reduce_bucket_size;
-  s.overlap_comm = c.zero.overlap_comm;
-  s.param_home = tier_of(c.zero.offload_param.device);
-  s.optimizer_home = tier_of(c.zero.offload_optimizer.device);
   for (const auto* block : {&c.zero.offload_param, &c.zero.offload_optimizer}) {
     for (const std::string& p : block->nvme_path) {
       if (std::find(s.nvme_paths.begin(), s.nvme_paths.end(), p) == s.nvme_paths.end()) {
@@ -152,36 +165,15 @@ Result<EngineSettings> settings_from_config(const config::Config& c) {
       }
     }
   }
-  s.device_mem = c.zinf.device_mem;
-  s.host_mem = c.zinf.host_mem;
-  s.staging_bytes = c.zinf.staging_bytes;
-  s.seed = c.zinf.seed;
-  s.checksum = c.zinf.checksum;
   s.io_queue_depth = static_cast<uint32_t>(std::max(c.aio.queue_depth, 1));
-  s.io_block_size = c.aio.block_size;
   s.io_rings = static_cast<uint32_t>(std::max(c.aio.intra_op_parallelism, 1));
-  s.io_single_submit = c.aio.single_submit;
   const config::OffloadConfig& param = c.zero.offload_param;
   const config::OffloadConfig& optim = c.zero.offload_optimizer;
-  s.param_max_in_cpu = param.max_in_cpu;
   s.pin_memory = (param.enabled() && param.pin_memory) || (optim.enabled() && optim.pin_memory);
   // Staging pieces in flight per move: the parameter block's buffers when parameters are
   // offloaded (they are what moves to the device), else the optimizer block's.
   s.staging_buffers = static_cast<uint32_t>(
       std::max<int64_t>(param.enabled() ? param.buffer_count : optim.buffer_count, 2));
-  s.pipeline_read = optim.pipeline_read;
-  s.pipeline_write = optim.pipeline_write;
-  s.optimizer_offload_ratio = c.zero.offload_optimizer.ratio;
-  s.param_persistence_threshold = c.zero.stage3_param_persistence_threshold;
-  s.prefetch_bucket_elements = c.zero.stage3_prefetch_bucket_size;
-  s.max_live_elements = c.zero.stage3_max_live_parameters;
-  s.max_reuse_distance = c.zero.stage3_max_reuse_distance;
-  s.sub_group_elements = c.zero.sub_group_size;
-  s.overlap_optimizer = c.zinf.overlap_optimizer;
-  s.update_behind = c.zinf.update_behind;
-  s.optimizer_threads = c.zinf.optimizer_threads;
-  s.io_fixed_buffers = c.zinf.io_fixed_buffers;
-  s.max_nonfinite_steps = c.zinf.max_nonfinite_steps;
   return s;
 }
 
