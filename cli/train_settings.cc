@@ -39,12 +39,6 @@ bool config_sets_entry(const config::Config* cfg, const t::Entry& e) {
   return false;
 }
 
-config::OffloadDevice offload_flag(const char* flag, const std::string& v) {
-  std::optional<config::OffloadDevice> d = config::parse_offload_device(v);
-  if (!d) throw CliError(fmt::format("{} must be none, cpu or nvme, got '{}'", flag, v), 2);
-  return *d;
-}
-
 // A rule of zinf/core/validate.h, failed: a CliError (exit code 2) with its message.
 void check(const Status& s) {
   if (!s.is_ok()) throw CliError(s.message(), 2);
