@@ -124,7 +124,7 @@ TEST(Tunables, EntriesAreWellFormed) {
   EXPECT_EQ(t::find("no such setting"), nullptr);
 }
 
-// A field added to EngineSettings without an entry (and a line in settings_json) fails here.
+// A field added to EngineSettings without an entry (and its line in engine_fields()) fails here.
 TEST(Tunables, EveryEngineFieldHasAnEntry) {
   std::set<std::string> engine_names = engine_entry_names();
   std::set<std::string> json_names;
@@ -138,7 +138,7 @@ TEST(Tunables, EveryEngineFieldHasAnEntry) {
       << "kernels::AdamConfig gained or lost a field: give it an adam.* entry in tunables.h";
   EXPECT_EQ(field_count<EngineSettings>(), engine_names.size() - adam_entries + 1)
       << "EngineSettings gained or lost a field: give it an entry in tunables.h and a line in "
-         "settings_json() (runtime/engine/src/settings.cc)";
+         "engine_fields() (runtime/engine/src/settings.cc)";
 }
 
 TEST(Tunables, EngineSettingsDefaultsAreTheTable) {

@@ -5,7 +5,8 @@
 //     take their defaults from it; no other file writes a default;
 //   - settings_json() (runtime/engine/src/settings.cc) writes every engine entry by name, from
 //     the EngineSettings field its line in that file's field list names (a compile-time check
-//     holds the list to the engine entries);
+//     holds the list to the engine entries), and settings_from_config() sets that field from the
+//     entry's JSON key where it has one;
 //   - `zinf train` (cli/train_settings.cc) registers every `flag` with the doc, the JSON key and
 //     the default as its help, sets the config field of the entry's JSON key from it (so a flag
 //     means exactly what its key means), applies the `train` values, and names every entry not left
@@ -26,10 +27,12 @@
 //
 // Adding a tunable: an entry here and its line in kAll below; then its use. An engine setting: a
 // field in EngineSettings whose default names the entry, and that field's line in settings.cc's
-// list. A JSON key: the config struct's field (its default names the entry), read in
-// runtime/config and mapped in settings_from_config(). A flag or a `train` value: the config
-// field it sets, in cli/train_settings.cc's kConfigFields. A row in docs/configuration.md.
-// tests/settings fails until the engine, the config reader and the CLI agree.
+// list (settings_json() and settings_from_config() then carry it). A JSON key: the config
+// struct's field (its default names the entry), read in runtime/config and written by
+// config::to_json(). A flag or a `train` value: the config field it sets, in
+// cli/train_settings.cc's kConfigFields (its registration, help and start-up mark follow from the
+// entry). A row in docs/configuration.md. tests/settings fails until the engine, the config
+// reader and the CLI agree.
 #pragma once
 
 #include <array>

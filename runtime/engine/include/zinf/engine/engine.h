@@ -56,7 +56,8 @@ struct EngineSettings {
   // Every default below names its entry in the table of tunables (zinf/core/tunables.h), which
   // says where it comes from (DeepSpeed's default wherever DeepSpeed has the key); no default is
   // written here. tests/settings checks that EngineSettings{}, the config reader and `zinf train`
-  // agree; a new field needs a table entry and a line in settings_json() (zinf/engine/settings.h).
+  // agree; a new field needs a table entry and its line in engine_fields()
+  // (zinf/engine/settings.h).
 
   // The tier a table offload device ("none", "cpu", "nvme") stands for: "none" is the device.
   static constexpr Tier home_tier(std::string_view offload_device) {
