@@ -140,7 +140,7 @@ void run(const Args& a, const CLI::App& sub) {
     cfg = std::move(*loaded);
   }
   TrainFlags flags;
-  if (sub.count("--dtype") > 0) flags.dtype = a.dtype;
+  if (sub.count("--dtype") > 0) flags[std::string(tunables::kDtype.flag)] = {a.dtype};
   const int world = a.gpus_per_node * a.nodes;
   const EngineSettings base = build_train_settings(flags, cfg ? &*cfg : nullptr, world).engine;
 

@@ -14,6 +14,7 @@
 #include "train_settings.h"
 #include "zinf/comm/factory.h"
 #include "zinf/core/log.h"
+#include "zinf/core/state_bytes.h"
 #include "zinf/core/trace.h"
 #include "zinf/core/tunables.h"
 #include "zinf/core/units.h"
@@ -34,8 +35,9 @@ std::string with_rank_suffix(const std::string& path, int rank) {
   return has_ext ? path.substr(0, dot) + tag + path.substr(dot) : path + tag;
 }
 
-// The command line as parsed. Flags that set a tunable have no default here: what a flag left
-// out means comes from the table (zinf/core/tunables.h) through build_train_settings().
+// The command line as parsed. The flags that set a tunable are the table's
+// (zinf/core/tunables.h), registered and read by TrainFlagOptions; what a flag left out means
+// comes from the table through build_train_settings().
 struct Args {
   std::string model = "small";
   int layers = 0, dim = 0, heads = 0, seq = 0;
@@ -49,59 +51,9 @@ struct Args {
   int sample = 0;
   bool quiet = false;
   bool describe = false;
-  // Tunables: read only when given (sub.count(flag) > 0).
-  int stage = 0, batch = 0, grad_accum = 0;
-  double lr = 0, clip = 0;
-  uint64_t seed = 0;
-  std::string dtype, offload_param, offload_optimizer, device_mem, host_mem, trace;
-  std::vector<std::string> nvme_paths;
-  std::string prefetch_bucket, max_live, reuse_distance, sub_group;
-  bool overlap_optimizer = false;
-  bool no_checksum = false;
-  std::string lr_schedule;
-  int64_t warmup_steps = 0;
-  std::string device;
+  bool show_settings = false;
+  TrainFlagOptions tunables;
 };
-
-// The flags given, as build_train_settings() takes them.
-TrainFlags train_flags(const Args& a, const CLI::App& sub) {
-  auto given = [&](const char* flag) { return sub.count(flag) > 0; };
-  auto opt = [&](const char* flag, const auto& v) {
-    using T = std::decay_t<decltype(v)>;
-    return given(flag) ? std::optional<T>(v) : std::nullopt;
-  };
-  return TrainFlags{.stage = opt("--stage", a.stage),
-                    .dtype = opt("--dtype", a.dtype),
-                    .lr = opt("--lr", a.lr),
-                    .clip = opt("--clip", a.clip),
-                    .grad_accum = opt("--grad-accum", a.grad_accum),
-                    .batch = opt("--batch", a.batch),
-                    .seed = opt("--seed", a.seed),
-                    .offload_param = opt("--offload-param", a.offload_param),
-                    .offload_optimizer = opt("--offload-optimizer", a.offload_optimizer),
-                    .nvme_paths = a.nvme_paths,
-                    .prefetch_bucket = opt("--prefetch-bucket", a.prefetch_bucket),
-                    .max_live = opt("--max-live", a.max_live),
-                    .reuse_distance = opt("--reuse-distance", a.reuse_distance),
-                    .sub_group = opt("--sub-group", a.sub_group),
-                    .device_mem = opt("--device-mem", a.device_mem),
-                    .host_mem = opt("--host-mem", a.host_mem),
-                    .overlap_optimizer = a.overlap_optimizer,
-                    .trace = opt("--trace", a.trace),
-                    .no_checksum = a.no_checksum,
-                    .lr_schedule = opt("--lr-schedule", a.lr_schedule),
-                    .warmup_steps = opt("--warmup-steps", a.warmup_steps),
-                    .device = opt("--device", a.device)};
-}
-
-// Help text of a tunable's flag: what it does, its JSON key and what leaving it out means.
-template <class T>
-std::string help(std::string_view what, const tunables::Tunable<T>& tunable) {
-  const tunables::Entry& e = *tunables::find(tunable.name);
-  std::string def = tunables::to_string(e.train ? *e.train : e.value);
-  if (e.unit == tunables::Unit::kBytes && e.value == tunables::Value(uint64_t{0})) def = "auto";
-  return fmt::format("{} ({}; default {})", what, e.json, def);
-}
 
 // Peak resident set size of this process, in bytes.
 uint64_t peak_rss_bytes() {
@@ -115,7 +67,8 @@ void print_memory_table(const gpt::TrainReport& r, DType dtype) {
   // Plain data parallelism holds everything on every rank: params and grads in the working
   // dtype, fp32 master (mixed precision), m and v.
   const double wsize = static_cast<double>(dtype_size(dtype));
-  const double plain = P * (2 * wsize + (wsize == 4 ? 0 : 4) + 8);
+  const double plain = P * (2 * wsize + static_cast<double>(optimizer_state_bytes_per_element(
+                                            dtype, Accumulator::kExcluded)));
   std::printf("\nMemory per rank (peak), against plain data parallelism (%s on the device):\n",
               format_bytes(plain).c_str());
   std::printf("  %-5s %-12s %-12s %-12s %s\n", "rank", "device", "host", "nvme",
@@ -188,7 +141,7 @@ void run(const Args& a, const CLI::App& sub) {
     cfg = std::move(*loaded);
   }
   const int world = o.launch ? o.launch->world_size : o.ranks;
-  const TrainSettings ts = build_train_settings(train_flags(a, sub), cfg ? &*cfg : nullptr, world,
+  const TrainSettings ts = build_train_settings(a.tunables.given(), cfg ? &*cfg : nullptr, world,
                                                 {.hidden = o.model.dim, .steps = a.steps});
   o.engine = ts.engine;
   o.lr_schedule = ts.config.scheduler;
@@ -228,7 +181,7 @@ void run(const Args& a, const CLI::App& sub) {
                          : "",
                 e.stage, dtype_name(e.dtype).data(), tier_name(e.param_home).data(),
                 tier_name(e.optimizer_home).data());
-    std::printf("%s", settings_block(ts).c_str());
+    std::printf("%s", a.show_settings ? settings_block(ts).c_str() : settings_line(ts).c_str());
     if (!o.init_from.empty()) std::printf("initial weights from %s\n", o.init_from.c_str());
     std::fflush(stdout);
   }
@@ -426,80 +379,14 @@ const Registration kTrain{
       sub.add_option("--dim", a->dim, "Override the model width");
       sub.add_option("--heads", a->heads, "Override the number of attention heads");
       sub.add_option("--seq", a->seq, "Override the context length");
-      sub.add_option("--batch", a->batch,
-                     help("Sequences per rank per micro-step", t::kMicroBatch));
       sub.add_option("--steps", a->steps, "Optimizer steps (0: only with --init-from)")
           ->capture_default_str();
-      sub.add_option("--lr", a->lr, help("Learning rate", t::kLr));
-      sub.add_option(
-          "--lr-schedule", a->lr_schedule,
-          help("DeepSpeed's schedule: none, WarmupLR, WarmupDecayLR (decays over --steps), "
-               "WarmupCosineLR (over --steps), OneCycle (needs its cycle_min_lr and "
-               "cycle_max_lr from --config)",
-               t::kLrSchedule));
-      sub.add_option("--warmup-steps", a->warmup_steps,
-                     help("Warm-up steps of the Warmup* schedules", t::kWarmupSteps));
-      sub.add_option("--device", a->device,
-                     help("The top tier: auto ($ZINF_DEVICE, else cuda where a GPU is visible, "
-                          "else cpu), cpu, cpu-strict or cuda",
-                          t::kDevice));
-      sub.add_option("--seed", a->seed,
-                     help("Seed of the initialisation and the data order", t::kSeed));
       sub.add_option("--data", a->data, "Text file to train on (default: the fortunes corpus)");
       sub.add_option("--ranks", a->ranks,
                      "Data-parallel ranks as local threads (under mpirun, srun or torchrun-style "
                      "variables each process is one rank: docs/multi-node.md)")
           ->capture_default_str();
-      sub.add_option("--stage", a->stage, help("ZeRO stage 0..3", t::kStage));
-      sub.add_option("--offload-param", a->offload_param,
-                     help("Parameters on none, cpu or nvme; stage 3", t::kParamHome));
-      sub.add_option("--offload-optimizer", a->offload_optimizer,
-                     help("Optimizer state on none, cpu or nvme", t::kOptimizerHome));
-      sub.add_option(
-          "--nvme-path", a->nvme_paths,
-          help("Swap directory (repeatable: striped); the zinf-<pid>-* directories of dead "
-               "zinf processes there are removed at start",
-               t::kNvmePaths));
-      sub.add_option("--dtype", a->dtype, help("fp32 | bf16 | fp16 working precision", t::kDtype));
-      sub.add_option("--prefetch-bucket", a->prefetch_bucket,
-                     help("Stage 3: parameter elements all-gathered ahead along the recorded "
-                          "order, 0 = off",
-                          t::kPrefetchBucket));
-      sub.add_option("--max-live", a->max_live,
-                     help("Stage 3: parameter elements gathered at once, and at most what fits in "
-                          "--device-mem beside the unit being worked on",
-                          t::kMaxLive));
-      sub.add_option("--reuse-distance", a->reuse_distance,
-                     help("Stage 3: keep a unit gathered when it is used again within this many "
-                          "elements, 0 = never",
-                          t::kMaxReuseDistance));
-      sub.add_option("--sub-group", a->sub_group,
-                     help("Optimizer sub-group size in elements, capped to a third of "
-                          "--host-mem with the optimizer offloaded; 0 = one per unit, uncapped",
-                          t::kSubGroup));
-      sub.add_flag("--overlap-optimizer", a->overlap_optimizer,
-                   help("Start each unit's optimizer update during the backward pass once its "
-                        "gradients are final (only with --clip 0 and without fp16; otherwise a "
-                        "warning and no effect). Moves the least NVMe traffic; an inf/NaN "
-                        "gradient then stops the run instead of skipping the step, unless (one "
-                        "rank) the step's first update meets it",
-                        t::kOverlapOptimizer));
-      sub.add_option("--device-mem", a->device_mem,
-                     help("Device budget per rank, e.g. 2G (0 is an error)", t::kDeviceMem));
-      sub.add_option("--host-mem", a->host_mem,
-                     help("Host budget per rank, e.g. 4G (0 is an error)", t::kHostMem));
-      sub.add_option("--grad-accum", a->grad_accum,
-                     help("Micro-steps per step", t::kGradientAccumulationSteps));
-      sub.add_option("--clip", a->clip,
-                     help("Global gradient-norm clipping, 0 = off", t::kGradientClipping));
-      sub.add_option("--trace", a->trace,
-                     help("Write a Chrome/Perfetto trace (tracks per rank: compute, comm, copy, "
-                          "NVMe read/write, CPU Adam); under a launcher rank r writes its own, "
-                          "named with .rank<r> before the extension",
-                          t::kTrace));
-      sub.add_flag("--no-checksum", a->no_checksum,
-                   "Turn off the XXH3 checksums of swapped blocks (zinf.checksum; default on). "
-                   "Their cost is measured in docs/security.md");
+      a->tunables.add_to(sub);  // the table's flags (--stage, --lr, --offload-param, ...)
       sub.add_option("--log-json", a->log_json,
                      "Write the effective settings ({\"settings\": ...}), the budgets chosen "
                      "({\"budgets\": ...}), one JSON object per step and every rank's memory "
@@ -524,6 +411,9 @@ const Registration kTrain{
                      "--save-dir writes the weights as loaded)");
       sub.add_option("--sample", a->sample, "Generate this many bytes of text at the end");
       sub.add_flag("--quiet", a->quiet, "Print nothing but errors");
+      sub.add_flag("--show-settings", a->show_settings,
+                   "Print every setting at start-up, each marked where it came from (by default "
+                   "one line names those not left at the table's default)");
       sub.add_flag("--describe", a->describe,
                    "Print the model's shape and parameter count as JSON and exit");
       sub.callback([a, &sub] { run(*a, sub); });

@@ -23,6 +23,7 @@
 #include "command.h"
 #include "tune_search.h"
 #include "zinf/config/config.h"
+#include "zinf/core/state_bytes.h"
 #include "zinf/core/tunables.h"
 #include "zinf/core/units.h"
 #include "zinf/engine/budgets.h"
@@ -124,7 +125,8 @@ uint64_t choose_staging_bytes(const IoSetting& s, uint64_t buffers) {
 // elements.
 uint64_t choose_sub_group(const MachineMemory& machine, int ranks, std::string& why) {
   const uint64_t share = machine.available_bytes / 8 / static_cast<uint64_t>(std::max(ranks, 1));
-  uint64_t elements = share / (3 * 16);
+  uint64_t elements =
+      share / (3 * optimizer_state_bytes_per_element(DType::kBF16, Accumulator::kIncluded));
   elements = std::min<uint64_t>(elements, tunables::kSubGroup.value);
   elements = std::max<uint64_t>(elements / (1 << 20), 1) * (1 << 20);
   why = fmt::format(

@@ -3,12 +3,18 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cctype>
+#include <charconv>
 #include <cmath>
 #include <cstdlib>
+#include <stdexcept>
 #include <string_view>
+#include <type_traits>
+#include <variant>
 
 #include "command.h"
 #include "zinf/core/units.h"
+#include "zinf/core/validate.h"
 #include "zinf/optim/lr_schedule.h"
 
 namespace zinf::cli {
@@ -33,22 +39,168 @@ bool config_sets_entry(const config::Config* cfg, const t::Entry& e) {
   return false;
 }
 
-config::OffloadDevice offload_flag(const char* flag, const std::string& v) {
-  std::optional<config::OffloadDevice> d = config::parse_offload_device(v);
-  if (!d) throw CliError(fmt::format("{} must be none, cpu or nvme, got '{}'", flag, v), 2);
-  return *d;
+// A rule of zinf/core/validate.h, failed: a CliError (exit code 2) with its message.
+void check(const Status& s) {
+  if (!s.is_ok()) throw CliError(s.message(), 2);
 }
 
-// A budget flag: a positive size. 0 is refused rather than read as "unlimited" or "auto".
-uint64_t budget_flag(const char* flag, const std::string& text) {
-  uint64_t bytes = bytes_flag(flag, text);
-  if (bytes == 0) {
-    throw CliError(fmt::format("{}: expected a positive size such as 2G, got '{}'; leave the flag "
-                               "out for a budget that fits the machine (docs/engine.md)",
-                               flag, text),
+// The last text given to a flag (a flag given twice is refused by CLI11, a list's flag repeats).
+const std::string& text_of(const TrainFlags& f, std::string_view flag) {
+  return f.find(flag)->second.back();
+}
+
+// A number given to `flag`: the whole text, or a CliError naming the flag.
+template <class T>
+T number_flag(std::string_view flag, const std::string& text) {
+  T v{};
+  const char* end = text.data() + text.size();
+  if constexpr (std::is_floating_point_v<T>) {
+    char* stop = nullptr;
+    v = static_cast<T>(std::strtod(text.c_str(), &stop));
+    if (!text.empty() && stop == end) return v;
+    throw CliError(fmt::format("{}: expected a number, got '{}'", flag, text), 2);
+  } else {
+    auto [stop, ec] = std::from_chars(text.data(), end, v);
+    if (ec == std::errc() && stop == end) return v;
+    throw CliError(fmt::format("{}: expected {}an integer, got '{}'", flag,
+                               std::is_signed_v<T> ? "" : "a non-negative ", text),
                    2);
   }
-  return bytes;
+}
+
+// A field of config::Config that an entry's JSON key sets.
+using FieldRef = std::variant<int*, int64_t*, uint64_t*, float*, double*, bool*, std::string*,
+                              config::OffloadDevice*, std::vector<std::string>*>;
+
+// The field(s) behind each entry `zinf train` sets, by a flag or by its own default: a flag means
+// exactly what its JSON key means. The entries whose flag means more than one key's value (dtype,
+// lr_schedule, warmup_num_steps) or no key at all (device) are applied in build_train_settings.
+struct ConfigField {
+  std::string_view name;
+  std::vector<FieldRef> (*fields)(config::Config& c);
+};
+const ConfigField kConfigFields[] = {
+    {t::kStage.name, [](config::Config& c) -> std::vector<FieldRef> { return {&c.zero.stage}; }},
+    {t::kMicroBatch.name,
+     [](config::Config& c) -> std::vector<FieldRef> {
+       return {&c.train_micro_batch_size_per_gpu};
+     }},
+    {t::kGradientAccumulationSteps.name,
+     [](config::Config& c) -> std::vector<FieldRef> { return {&c.gradient_accumulation_steps}; }},
+    {t::kGradientClipping.name,
+     [](config::Config& c) -> std::vector<FieldRef> { return {&c.gradient_clipping}; }},
+    {t::kLr.name, [](config::Config& c) -> std::vector<FieldRef> { return {&c.optimizer.lr}; }},
+    {t::kWeightDecay.name,
+     [](config::Config& c) -> std::vector<FieldRef> { return {&c.optimizer.weight_decay}; }},
+    {t::kSubGroup.name,
+     [](config::Config& c) -> std::vector<FieldRef> { return {&c.zero.sub_group_size}; }},
+    {t::kPrefetchBucket.name,
+     [](config::Config& c) -> std::vector<FieldRef> {
+       return {&c.zero.stage3_prefetch_bucket_size};
+     }},
+    {t::kMaxLive.name,
+     [](config::Config& c) -> std::vector<FieldRef> {
+       return {&c.zero.stage3_max_live_parameters};
+     }},
+    {t::kMaxReuseDistance.name,
+     [](config::Config& c) -> std::vector<FieldRef> {
+       return {&c.zero.stage3_max_reuse_distance};
+     }},
+    {t::kParamHome.name,
+     [](config::Config& c) -> std::vector<FieldRef> { return {&c.zero.offload_param.device}; }},
+    {t::kOptimizerHome.name,
+     [](config::Config& c) -> std::vector<FieldRef> { return {&c.zero.offload_optimizer.device}; }},
+    {t::kNvmePaths.name,
+     [](config::Config& c) -> std::vector<FieldRef> {
+       return {&c.zero.offload_param.nvme_path, &c.zero.offload_optimizer.nvme_path};
+     }},
+    {t::kPipelineRead.name,
+     [](config::Config& c) -> std::vector<FieldRef> {
+       return {&c.zero.offload_optimizer.pipeline_read};
+     }},
+    {t::kPipelineWrite.name,
+     [](config::Config& c) -> std::vector<FieldRef> {
+       return {&c.zero.offload_optimizer.pipeline_write};
+     }},
+    {t::kDeviceMem.name,
+     [](config::Config& c) -> std::vector<FieldRef> { return {&c.zinf.device_mem}; }},
+    {t::kHostMem.name,
+     [](config::Config& c) -> std::vector<FieldRef> { return {&c.zinf.host_mem}; }},
+    {t::kOverlapOptimizer.name,
+     [](config::Config& c) -> std::vector<FieldRef> { return {&c.zinf.overlap_optimizer}; }},
+    {t::kChecksum.name,
+     [](config::Config& c) -> std::vector<FieldRef> { return {&c.zinf.checksum}; }},
+    {t::kSeed.name, [](config::Config& c) -> std::vector<FieldRef> { return {&c.zinf.seed}; }},
+    {t::kTrace.name, [](config::Config& c) -> std::vector<FieldRef> { return {&c.zinf.trace}; }},
+};
+
+const ConfigField* config_field(std::string_view name) {
+  for (const ConfigField& f : kConfigFields) {
+    if (f.name == name) return &f;
+  }
+  return nullptr;
+}
+
+// Sets `field` to a table value (zinf train's own default).
+void set_value(const FieldRef& field, const t::Value& value) {
+  std::visit(
+      [&](auto* out) {
+        using F = std::remove_pointer_t<decltype(out)>;
+        std::visit(
+            [&](const auto& v) {
+              using V = std::decay_t<decltype(v)>;
+              if constexpr (std::is_arithmetic_v<F> && std::is_arithmetic_v<V>) {
+                *out = static_cast<F>(v);
+              } else if constexpr (std::is_same_v<F, std::string> &&
+                                   std::is_same_v<V, std::string_view>) {
+                *out = std::string(v);
+              } else {
+                throw std::logic_error("a zinf train value of another type than its field");
+              }
+            },
+            value);
+      },
+      field);
+}
+
+// Sets `field` from the text given to the entry's flag: a switch sets a bool to the other value
+// than the table's; sizes read as the unit says (2G for bytes, 5e7 for elements). A count or a
+// budget given explicitly must be positive (validate.h).
+void set_from_flag(const FieldRef& field, const t::Entry& e,
+                   const std::vector<std::string>& given) {
+  const std::string flag(e.flag);
+  std::visit(
+      [&](auto* out) {
+        using F = std::remove_pointer_t<decltype(out)>;
+        if constexpr (std::is_same_v<F, bool>) {
+          *out = !std::get<bool>(e.value);
+        } else if constexpr (std::is_same_v<F, std::vector<std::string>>) {
+          *out = given;
+        } else if constexpr (std::is_same_v<F, std::string>) {
+          *out = given.back();
+        } else if constexpr (std::is_same_v<F, config::OffloadDevice>) {
+          std::optional<config::OffloadDevice> d = config::parse_offload_device(given.back());
+          if (!d) {
+            throw CliError(fmt::format("{}: expected none, cpu or nvme, got '{}'",
+                                       validate::label(e), given.back()),
+                           2);
+          }
+          *out = *d;
+        } else if constexpr (std::is_same_v<F, uint64_t>) {
+          *out = e.unit == t::Unit::kBytes      ? bytes_flag(flag, given.back())
+                 : e.unit == t::Unit::kElements ? elements_flag(flag, given.back())
+                                                : number_flag<uint64_t>(flag, given.back());
+          if (e.unit == t::Unit::kBytes) check(validate::explicit_budget(e, *out));
+        } else {
+          *out = number_flag<F>(flag, given.back());
+          if constexpr (std::is_integral_v<F>) {
+            if (e.unit == t::Unit::kCount || e.unit == t::Unit::kSteps) {
+              check(validate::positive(e, *out));
+            }
+          }
+        }
+      },
+      field);
 }
 
 // The "auto" note of the first of `e`'s JSON paths the config gave as "auto", or nullptr.
@@ -70,12 +222,14 @@ using SchedType = config::SchedulerConfig::Type;
 // --lr-schedule and --warmup-steps onto the scheduler block. A type the flag changes to must
 // accept every parameter the config gives (as DeepSpeed's constructors would).
 void apply_schedule_flags(const TrainFlags& f, config::Config& c) {
-  if (f.lr_schedule) {
-    std::optional<SchedType> t = config::parse_scheduler_type(*f.lr_schedule);
+  const std::string_view schedule_flag = t::kLrSchedule.flag, warmup_flag = t::kWarmupSteps.flag;
+  if (f.contains(schedule_flag)) {
+    const std::string& schedule = text_of(f, schedule_flag);
+    std::optional<SchedType> t = config::parse_scheduler_type(schedule);
     if (!t) {
       throw CliError(fmt::format("--lr-schedule must be none, WarmupLR, WarmupDecayLR, "
                                  "WarmupCosineLR or OneCycle (DeepSpeed's names), got '{}'",
-                                 *f.lr_schedule),
+                                 schedule),
                      2);
     }
     if (*t != SchedType::kNone && *t != c.scheduler.type) {
@@ -85,15 +239,16 @@ void apply_schedule_flags(const TrainFlags& f, config::Config& c) {
         std::string_view name = std::string_view(key).substr(17);
         if (std::find(accepted.begin(), accepted.end(), name) == accepted.end()) {
           throw CliError(fmt::format("--lr-schedule {}: the config's {} is not a parameter of {}",
-                                     *f.lr_schedule, key, *f.lr_schedule),
+                                     schedule, key, schedule),
                          2);
         }
       }
     }
     c.scheduler.type = *t;
   }
-  if (f.warmup_steps) {
-    if (*f.warmup_steps < 1) throw CliError("--warmup-steps must be >= 1", 2);
+  if (f.contains(warmup_flag)) {
+    const auto warmup_steps = number_flag<int64_t>(warmup_flag, text_of(f, warmup_flag));
+    check(validate::positive(*t::find(t::kWarmupSteps.name), warmup_steps));
     const auto accepted = config::scheduler_params(c.scheduler.type);
     if (std::find(accepted.begin(), accepted.end(), "warmup_num_steps") == accepted.end()) {
       throw CliError(fmt::format("--warmup-steps applies to WarmupLR, WarmupDecayLR and "
@@ -102,7 +257,7 @@ void apply_schedule_flags(const TrainFlags& f, config::Config& c) {
                                  config::scheduler_type_name(c.scheduler.type)),
                      2);
     }
-    c.scheduler.warmup_num_steps = *f.warmup_steps;
+    c.scheduler.warmup_num_steps = warmup_steps;
   }
 }
 
@@ -118,22 +273,22 @@ void resolve_auto(const TrainFlags& f, const RunFacts& run, config::Config& c,
   for (const std::string& path : c.auto_keys) {
     std::string from;
     if (path == "train_micro_batch_size_per_gpu") {
-      from = f.batch ? "--batch" : "zinf train's micro batch; --batch sets it";
+      from = f.contains("--batch") ? "--batch" : "zinf train's micro batch; --batch sets it";
     } else if (path == "gradient_accumulation_steps") {
-      from = f.grad_accum                                 ? "--grad-accum"
+      from = f.contains("--grad-accum")                   ? "--grad-accum"
              : config::config_sets(c, "train_batch_size") ? "derived from train_batch_size"
                                                           : "1: no --grad-accum";
     } else if (path == "train_batch_size") {
       from = "micro batch x accumulation steps x world size";
     } else if (path == "gradient_clipping") {
-      from = f.clip ? "--clip" : "zinf train's clipping; --clip sets it";
+      from = f.contains("--clip") ? "--clip" : "zinf train's clipping; --clip sets it";
     } else if (path == "optimizer.params.lr") {
-      from = f.lr ? "--lr" : "zinf train's lr; --lr sets it";
+      from = f.contains("--lr") ? "--lr" : "zinf train's lr; --lr sets it";
     } else if (path == "optimizer.params.betas" || path == "optimizer.params.eps" ||
                path == "optimizer.params.weight_decay") {
       from = "zinf train's value; no flag sets it";
     } else if (path == "fp16.enabled" || path == "bf16.enabled" || path == "bfloat16.enabled") {
-      from = f.dtype ? "--dtype " + *f.dtype : "fp32: no --dtype";
+      from = f.contains("--dtype") ? "--dtype " + text_of(f, "--dtype") : "fp32: no --dtype";
     } else if (path == "zero_optimization.reduce_bucket_size") {
       if (h == 0) {
         from = hidden_unknown;
@@ -143,7 +298,7 @@ void resolve_auto(const TrainFlags& f, const RunFacts& run, config::Config& c,
       }
     } else if (path == "zero_optimization.stage3_prefetch_bucket_size" ||
                path == "zero_optimization.prefetch_bucket_size") {
-      if (f.prefetch_bucket) {
+      if (f.contains("--prefetch-bucket")) {
         from = "--prefetch-bucket";
       } else if (h == 0) {
         from = hidden_unknown;
@@ -161,7 +316,7 @@ void resolve_auto(const TrainFlags& f, const RunFacts& run, config::Config& c,
         from = fmt::format("10 hidden, hidden {}", h);
       }
     } else if (path == "scheduler.params.warmup_num_steps") {
-      if (f.warmup_steps) {
+      if (f.contains("--warmup-steps")) {
         from = "--warmup-steps";
       } else if (run.steps) {
         throw CliError(
@@ -236,6 +391,59 @@ std::string value_text(const t::Entry& e, const nlohmann::ordered_json& v) {
 
 }  // namespace
 
+namespace {
+
+// A flag's help: the entry's doc, its JSON key and what leaving the flag out means.
+std::string flag_help(const t::Entry& e) {
+  std::string doc(e.doc);
+  doc[0] = static_cast<char>(std::toupper(static_cast<unsigned char>(doc[0])));
+  const std::string_view key = e.json.empty() ? std::string_view() : e.json;
+  if (const bool* on = std::get_if<bool>(&e.value)) {
+    return fmt::format("{} (sets {} {}; default {})", doc, key, *on ? "false" : "true",
+                       *on ? "true" : "false");
+  }
+  std::string def = t::to_string(e.train ? *e.train : e.value);
+  if (e.unit == t::Unit::kBytes && e.value == t::Value(uint64_t{0})) def = "auto";
+  if (e.list && e.value == t::Value(std::string_view())) def = "none";
+  if (key.empty()) return fmt::format("{} (default {})", doc, def);
+  return fmt::format("{} ({}; default {})", doc, key, def);
+}
+
+}  // namespace
+
+void TrainFlagOptions::add_to(CLI::App& sub) {
+  app_ = &sub;
+  for (const t::Entry& e : t::kAll) {
+    if (e.flag.empty()) continue;
+    const std::string flag(e.flag);
+    Storage& store = storage_[flag];
+    if (std::holds_alternative<bool>(e.value)) {
+      sub.add_flag(flag, store.on, flag_help(e));
+    } else if (e.list) {
+      sub.add_option(flag, store.list, flag_help(e))->type_name("DIR");
+    } else {
+      const bool number = !std::holds_alternative<std::string_view>(e.value);
+      const char* type = e.unit == t::Unit::kBytes ? "SIZE" : number ? "NUMBER" : "TEXT";
+      sub.add_option(flag, store.text, flag_help(e))->type_name(type);
+    }
+  }
+}
+
+TrainFlags TrainFlagOptions::given() const {
+  TrainFlags out;
+  for (const auto& [flag, store] : storage_) {
+    if (app_ == nullptr || app_->count(flag) == 0) continue;
+    if (!store.list.empty()) {
+      out[flag] = store.list;
+    } else if (store.on) {
+      out[flag] = {};
+    } else {
+      out[flag] = {store.text};
+    }
+  }
+  return out;
+}
+
 std::string_view source_name(Source s) {
   switch (s) {
     case Source::kDefault:
@@ -263,66 +471,28 @@ TrainSettings build_train_settings(const TrainFlags& f, const config::Config* cf
   auto entry = [](std::string_view name) { return t::find(name); };
 
   // zinf train's own defaults, for the keys the config leaves out.
-  if (!sets(entry(t::kStage.name))) c.zero.stage = *t::kStage.train;
-  if (!sets(entry(t::kMicroBatch.name))) {
-    c.train_micro_batch_size_per_gpu = *t::kMicroBatch.train;
-  }
-  if (!sets(entry(t::kGradientClipping.name))) c.gradient_clipping = *t::kGradientClipping.train;
-  if (!sets(entry(t::kLr.name))) c.optimizer.lr = *t::kLr.train;
-  if (!sets(entry(t::kWeightDecay.name))) c.optimizer.weight_decay = *t::kWeightDecay.train;
-  if (!sets(entry(t::kSeed.name))) c.zinf.seed = *t::kSeed.train;
-  if (!sets(entry(t::kPipelineRead.name))) {
-    c.zero.offload_optimizer.pipeline_read = *t::kPipelineRead.train;
-  }
-  if (!sets(entry(t::kPipelineWrite.name))) {
-    c.zero.offload_optimizer.pipeline_write = *t::kPipelineWrite.train;
+  for (const t::Entry& e : t::kAll) {
+    if (!e.train || sets(&e)) continue;
+    for (const FieldRef& field : config_field(e.name)->fields(c)) set_value(field, *e.train);
   }
 
   // The flags, onto the keys they stand for.
-  if (f.stage) {
-    if (*f.stage < 0 || *f.stage > 3) throw CliError("--stage must be 0..3", 2);
-    c.zero.stage = *f.stage;
+  for (const t::Entry& e : t::kAll) {
+    const auto given = f.find(e.flag);
+    if (e.flag.empty() || given == f.end()) continue;
+    if (const ConfigField* field = config_field(e.name)) {
+      for (const FieldRef& ref : field->fields(c)) set_from_flag(ref, e, given->second);
+    }
   }
-  if (f.dtype) {
-    std::optional<DType> dt = parse_dtype(*f.dtype);
-    if (!dt) throw CliError("--dtype must be fp32, bf16 or fp16, got '" + *f.dtype + "'", 2);
+  if (f.contains(t::kDtype.flag)) {
+    const std::string& text = text_of(f, t::kDtype.flag);
+    std::optional<DType> dt = parse_dtype(text);
+    if (!dt) {
+      throw CliError(fmt::format("--dtype must be fp32, bf16 or fp16, got '{}'", text), 2);
+    }
     c.fp16.enabled = *dt == DType::kF16;
     c.bf16 = *dt == DType::kBF16;
   }
-  if (f.lr) c.optimizer.lr = static_cast<float>(*f.lr);
-  if (f.clip) c.gradient_clipping = static_cast<float>(*f.clip);
-  if (f.grad_accum) {
-    if (*f.grad_accum < 1) throw CliError("--grad-accum must be >= 1", 2);
-    c.gradient_accumulation_steps = *f.grad_accum;
-  }
-  if (f.batch) {
-    if (*f.batch < 1) throw CliError("--batch must be >= 1", 2);
-    c.train_micro_batch_size_per_gpu = *f.batch;
-  }
-  if (f.seed) c.zinf.seed = *f.seed;
-  if (f.offload_param) {
-    c.zero.offload_param.device = offload_flag("--offload-param", *f.offload_param);
-  }
-  if (f.offload_optimizer) {
-    c.zero.offload_optimizer.device = offload_flag("--offload-optimizer", *f.offload_optimizer);
-  }
-  if (!f.nvme_paths.empty()) {
-    c.zero.offload_param.nvme_path = f.nvme_paths;
-    c.zero.offload_optimizer.nvme_path = f.nvme_paths;
-  }
-  if (f.prefetch_bucket) {
-    c.zero.stage3_prefetch_bucket_size = elements_flag("--prefetch-bucket", *f.prefetch_bucket);
-  }
-  if (f.max_live) c.zero.stage3_max_live_parameters = elements_flag("--max-live", *f.max_live);
-  if (f.reuse_distance) {
-    c.zero.stage3_max_reuse_distance = elements_flag("--reuse-distance", *f.reuse_distance);
-  }
-  if (f.sub_group) c.zero.sub_group_size = elements_flag("--sub-group", *f.sub_group);
-  if (f.overlap_optimizer) c.zinf.overlap_optimizer = true;
-  if (f.device_mem) c.zinf.device_mem = budget_flag("--device-mem", *f.device_mem);
-  if (f.host_mem) c.zinf.host_mem = budget_flag("--host-mem", *f.host_mem);
-  if (f.trace) c.zinf.trace = *f.trace;
-  if (f.no_checksum) c.zinf.checksum = false;
   apply_schedule_flags(f, c);
   resolve_auto(f, run, c, out.auto_values);
   // A decaying schedule that --lr-schedule named without its length: the run's.
@@ -334,20 +504,9 @@ TrainSettings build_train_settings(const TrainFlags& f, const config::Config* cf
 
   // DeepSpeed's rule for an absent overlap_comm, applied to the stage in the end.
   const bool overlap_rule = !sets(entry(t::kOverlapComm.name));
-  if (overlap_rule) c.zero.overlap_comm = c.zero.stage == 3;
+  if (overlap_rule) c.zero.overlap_comm = t::overlap_comm_for_stage(c.zero.stage);
 
-  // The combinations, in the flags' words first (the config reader says it in the keys').
-  if (c.zero.offload_param.enabled() && c.zero.stage != 3) {
-    throw CliError(
-        fmt::format("parameter offload needs ZeRO stage 3 (--stage 3), got stage {}", c.zero.stage),
-        2);
-  }
-  for (const auto& [flag, block] : {std::pair{"--offload-param", &c.zero.offload_param},
-                                    {"--offload-optimizer", &c.zero.offload_optimizer}}) {
-    if (block->device == config::OffloadDevice::kNvme && block->nvme_path.empty()) {
-      throw CliError(fmt::format("{} nvme needs a swap directory: --nvme-path DIR", flag), 2);
-    }
-  }
+  // The combinations (validate.h's rules, whose errors name the flags and the keys).
   if (Status s = config::resolve_batch_sizes(c, world); !s.is_ok()) throw CliError(s.detail(), 2);
   Result<EngineSettings> e = settings_from_config(c);
   if (!e.is_ok()) throw CliError(e.status().detail(), 2);
@@ -366,11 +525,12 @@ TrainSettings build_train_settings(const TrainFlags& f, const config::Config* cf
     resolved.value = value_at(effective, canonical);
   }
   out.engine = *e;
-  if (f.device) {
-    const auto kind = parse_device_kind(*f.device);
+  if (f.contains(t::kDevice.flag)) {
+    const std::string& text = text_of(f, t::kDevice.flag);
+    const auto kind = parse_device_kind(text);
     if (!kind) {
-      throw CliError(
-          fmt::format("--device must be auto, cpu, cpu-strict or cuda, got '{}'", *f.device), 2);
+      throw CliError(fmt::format("--device must be auto, cpu, cpu-strict or cuda, got '{}'", text),
+                     2);
     }
     out.engine.device = *kind;
   }
@@ -379,34 +539,9 @@ TrainSettings build_train_settings(const TrainFlags& f, const config::Config* cf
   out.trace = c.zinf.trace;
 
   // Where each value came from.
-  const std::map<std::string_view, bool> flag_given = {
-      {"--stage", f.stage.has_value()},
-      {"--dtype", f.dtype.has_value()},
-      {"--lr", f.lr.has_value()},
-      {"--clip", f.clip.has_value()},
-      {"--grad-accum", f.grad_accum.has_value()},
-      {"--batch", f.batch.has_value()},
-      {"--seed", f.seed.has_value()},
-      {"--offload-param", f.offload_param.has_value()},
-      {"--offload-optimizer", f.offload_optimizer.has_value()},
-      {"--nvme-path", !f.nvme_paths.empty()},
-      {"--prefetch-bucket", f.prefetch_bucket.has_value()},
-      {"--max-live", f.max_live.has_value()},
-      {"--reuse-distance", f.reuse_distance.has_value()},
-      {"--sub-group", f.sub_group.has_value()},
-      {"--device-mem", f.device_mem.has_value()},
-      {"--host-mem", f.host_mem.has_value()},
-      {"--overlap-optimizer", f.overlap_optimizer},
-      {"--trace", f.trace.has_value()},
-      {"--no-checksum", f.no_checksum},
-      {"--lr-schedule", f.lr_schedule.has_value()},
-      {"--warmup-steps", f.warmup_steps.has_value()},
-      {"--device", f.device.has_value()},
-  };
   for (const t::Entry& e : t::kAll) {
     Source s = Source::kDefault;
-    if (auto it = flag_given.find(e.flag);
-        !e.flag.empty() && it != flag_given.end() && it->second) {
+    if (!e.flag.empty() && f.contains(e.flag)) {
       s = Source::kFlag;
     } else if (auto_note(out, e) != nullptr) {
       s = Source::kAuto;
@@ -463,6 +598,21 @@ nlohmann::ordered_json settings_log_line(const TrainSettings& s) {
   const nlohmann::json effective = config::to_json(s.config);
   if (effective.contains("scheduler")) line["scheduler"] = effective["scheduler"];
   return line;
+}
+
+std::string settings_line(const TrainSettings& s) {
+  nlohmann::ordered_json values = effective_settings_json(s);
+  std::string out = "settings not left at the table's default (--show-settings: all):";
+  for (const t::Entry& e : t::kAll) {
+    auto it = s.sources.find(e.name);
+    if (it == s.sources.end()) continue;
+    const TrainSettings::AutoValue* a = auto_note(s, e);
+    out += fmt::format(" {}={} ({})", e.name, value_text(e, values[std::string(e.name)]),
+                       it->second == Source::kAuto && a != nullptr
+                           ? fmt::format("auto: {}", a->from)
+                           : std::string(source_name(it->second)));
+  }
+  return out + "\n";
 }
 
 std::string settings_block(const TrainSettings& s, size_t width) {

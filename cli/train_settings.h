@@ -8,6 +8,7 @@
 // reader and EngineSettings{} agree without running the command.
 #pragma once
 
+#include <CLI/CLI.hpp>
 #include <cstdint>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -20,30 +21,29 @@
 
 namespace zinf::cli {
 
-// The flags of `zinf train` that set tunables, as typed; std::nullopt (or empty) = not given.
-struct TrainFlags {
-  std::optional<int> stage;
-  std::optional<std::string> dtype;
-  std::optional<double> lr;
-  std::optional<double> clip;
-  std::optional<int> grad_accum;
-  std::optional<int> batch;
-  std::optional<uint64_t> seed;
-  std::optional<std::string> offload_param;
-  std::optional<std::string> offload_optimizer;
-  std::vector<std::string> nvme_paths;
-  std::optional<std::string> prefetch_bucket;
-  std::optional<std::string> max_live;
-  std::optional<std::string> reuse_distance;
-  std::optional<std::string> sub_group;
-  std::optional<std::string> device_mem;
-  std::optional<std::string> host_mem;
-  bool overlap_optimizer = false;
-  std::optional<std::string> trace;
-  bool no_checksum = false;                // --no-checksum: zinf.checksum false
-  std::optional<std::string> lr_schedule;  // --lr-schedule: scheduler.type ("none" drops it)
-  std::optional<int64_t> warmup_steps;     // --warmup-steps: scheduler.params.warmup_num_steps
-  std::optional<std::string> device;       // --device: EngineSettings::device (no config key)
+// The flags of `zinf train` that set tunables, by flag ("--stage"), each with what the command
+// line gave it: its text (every occurrence for a list, --nvme-path), nothing for a switch
+// (--no-checksum). A flag absent here was not given.
+using TrainFlags = std::map<std::string, std::vector<std::string>, std::less<>>;
+
+// The flag of every table entry that has one, registered on a CLI11 command from the table: its
+// help says what it does, its JSON key and what leaving it out means (`zinf train`'s own default,
+// else the table's). A bool entry's flag is a switch to the other value.
+class TrainFlagOptions {
+ public:
+  // Adds the flags to `sub`; this object must outlive the parse.
+  void add_to(CLI::App& sub);
+  // The flags the parse gave.
+  TrainFlags given() const;
+
+ private:
+  struct Storage {
+    std::string text;
+    std::vector<std::string> list;
+    bool on = false;
+  };
+  const CLI::App* app_ = nullptr;
+  std::map<std::string, Storage, std::less<>> storage_;  // by flag; nodes stay where they are
 };
 
 // What the run knows beyond the flags, for DeepSpeed's "auto" values (resolved as the Hugging Face
@@ -101,10 +101,15 @@ nlohmann::ordered_json effective_settings_json(const TrainSettings& s);
 // table's default; "auto" and "scheduler" only when there are any).
 nlohmann::ordered_json settings_log_line(const TrainSettings& s);
 
-// The start-up block: "settings ..." and indented lines of `name=value`, each marked with where
-// it came from unless it is the table's default ("(auto: ...)" for the config's "auto"); then the
-// schedule's parameters and every "auto" key with what it resolved to; lines of at most `width`
-// columns.
+// The start-up line: every setting not left at the table's default (set by a flag, the config,
+// zinf train's own default, DeepSpeed's stage rule or an "auto"), `name=value (source)`, on one
+// line.
+std::string settings_line(const TrainSettings& s);
+
+// The whole table (--show-settings): "settings ..." and indented lines of `name=value`, each
+// marked with where it came from unless it is the table's default ("(auto: ...)" for the config's
+// "auto"); then the schedule's parameters and every "auto" key with what it resolved to; lines of
+// at most `width` columns.
 std::string settings_block(const TrainSettings& s, size_t width = 100);
 
 }  // namespace zinf::cli

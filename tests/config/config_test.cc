@@ -565,11 +565,11 @@ const BadCase kBadCases[] = {
   {R"({"zinf": {"host_mem": "4X"}})", "zinf.host_mem", "expected a byte count"},
   {R"({"zinf": {"trace": 5}})", "zinf.trace", "expected a string"},
   {R"({"zinf": {"seed": -1}})", "zinf.seed", "expected a non-negative integer, got -1"},
-  {R"({"zinf": {"device_mem": 0}})", "zinf.device_mem", "expected a positive byte count, got 0; leave the key out for a budget that fits the machine"},
-  {R"({"zinf": {"host_mem": "0G"}})", "zinf.host_mem", "expected a positive byte count, got 0"},
+  {R"({"zinf": {"device_mem": 0}})", "zinf.device_mem (--device-mem)", "expected a positive byte count such as 2G, got 0; leave it out for a budget that fits the machine"},
+  {R"({"zinf": {"host_mem": "0G"}})", "zinf.host_mem (--host-mem)", "expected a positive byte count such as 2G, got 0"},
   {"[1, 2]", "config", "expected a JSON object at the top level"},
   // ranges
-  {R"({"zero_optimization": {"stage": 4}})", "zero_optimization.stage", "expected an integer in 0..3, got 4"},
+  {R"({"zero_optimization": {"stage": 4}})", "zero_optimization.stage (--stage)", "expected an integer in 0..3, got 4"},
   {R"({"zero_optimization": {"stage": -1}})", "zero_optimization.stage", "expected an integer in 0..3, got -1"},
   {R"({"zero_optimization": {"reduce_bucket_size": -1}})", "zero_optimization.reduce_bucket_size", "expected a non-negative integer, got -1"},
   {R"({"zero_optimization": {"reduce_bucket_size": 0}})", "zero_optimization.reduce_bucket_size", "expected a positive number of elements, got 0"},
@@ -609,12 +609,12 @@ const BadCase kBadCases[] = {
   {R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": ["/a", 7]}}})", "zero_optimization.offload_param.nvme_path[1]", "expected a directory path (a string)"},
   // impossible combinations
   {R"({"fp16": {"enabled": true}, "bf16": {"enabled": true}})", "fp16.enabled and bf16.enabled", "only one 16-bit working precision"},
-  {R"({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})", "zero_optimization.offload_param.device", "parameter offload needs zero_optimization.stage 3, got device \"cpu\" with stage 2"},
+  {R"({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})", "zero_optimization.offload_param.device (--offload-param)", "parameter offload needs zero_optimization.stage 3 (--stage 3), got device \"cpu\" with stage 2"},
   {R"({"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/nvme"}}})", "zero_optimization.offload_param.device", "needs zero_optimization.stage 3"},
   {R"({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}})", "zero_optimization.offload_optimizer.device", "optimizer offload needs zero_optimization.stage 1, 2 or 3"},
   {R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}})", "zero_optimization.offload_optimizer.ratio", "partial optimizer offload (ratio < 1) needs zero_optimization.stage 3"},
-  {R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})", "zero_optimization.offload_param.nvme_path", "device is \"nvme\", expected a directory"},
-  {R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": []}}})", "zero_optimization.offload_optimizer.nvme_path", "device is \"nvme\""},
+  {R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})", "zero_optimization.offload_param.nvme_path (--nvme-path DIR)", "expected a directory on the NVMe file system (or a list of them) for device \"nvme\" (--offload-param nvme), got none"},
+  {R"({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": []}}})", "zero_optimization.offload_optimizer.nvme_path", "for device \"nvme\" (--offload-optimizer nvme), got none"},
   {R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": ""}}})", "zero_optimization.offload_optimizer.nvme_path[0]", "expected a non-empty directory path"},
   {R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": ["/a", ""]}}})", "zero_optimization.offload_optimizer.nvme_path[1]", "expected a non-empty directory path"},
   {R"({"zero_optimization": {"stage3_prefetch_bucket_size": 1, "prefetch_bucket_size": 2}})", "zero_optimization.stage3_prefetch_bucket_size and zero_optimization.prefetch_bucket_size", "expected only one of them"},
@@ -699,9 +699,9 @@ TEST(Config, LoadConfigPutsTheFileInFrontOfAValueError) {
   }
   Result<Config> c = load_config(path);
   ASSERT_FALSE(c.is_ok());
-  EXPECT_EQ(
-      c.status().message(),
-      "config file " + path + ": zero_optimization.stage: expected an integer in 0..3, got 7");
+  EXPECT_EQ(c.status().message(),
+            "config file " + path +
+                ": zero_optimization.stage (--stage): expected an integer in 0..3, got 7");
   std::remove(path.c_str());
 }
 

@@ -5,6 +5,9 @@
 //   - `zinf train`: build_train_settings() with no flags, with --config "{}", with flags.
 // A default written a second time anywhere (a literal in EngineSettings, config.h or the CLI)
 // makes one of them fail; TheComparisonIsNotVacuous shows that the comparison sees a change.
+// EverySettingReachesTheEngineByItsFlagAndItsKey sets each entry through its flag (parsed by
+// CLI11 from the table's registration) and its JSON key; ARuleIsWrittenOnce holds the config
+// reader, the CLI and the engine to one error per bad value.
 #include "zinf/core/tunables.h"
 
 #include <gmock/gmock.h>
@@ -14,9 +17,11 @@
 #include <set>
 #include <string>
 
+#include "../engine/mlp.h"
 #include "command.h"
 #include "train_settings.h"
 #include "zinf/config/config.h"
+#include "zinf/core/validate.h"
 #include "zinf/engine/settings.h"
 
 namespace zinf {
@@ -119,7 +124,7 @@ TEST(Tunables, EntriesAreWellFormed) {
   EXPECT_EQ(t::find("no such setting"), nullptr);
 }
 
-// A field added to EngineSettings without an entry (and a line in settings_json) fails here.
+// A field added to EngineSettings without an entry (and its line in engine_fields()) fails here.
 TEST(Tunables, EveryEngineFieldHasAnEntry) {
   std::set<std::string> engine_names = engine_entry_names();
   std::set<std::string> json_names;
@@ -133,7 +138,7 @@ TEST(Tunables, EveryEngineFieldHasAnEntry) {
       << "kernels::AdamConfig gained or lost a field: give it an adam.* entry in tunables.h";
   EXPECT_EQ(field_count<EngineSettings>(), engine_names.size() - adam_entries + 1)
       << "EngineSettings gained or lost a field: give it an entry in tunables.h and a line in "
-         "settings_json() (runtime/engine/src/settings.cc)";
+         "engine_fields() (runtime/engine/src/settings.cc)";
 }
 
 TEST(Tunables, EngineSettingsDefaultsAreTheTable) {
@@ -266,13 +271,10 @@ TEST(Tunables, ZinfTrainIsTheSameWithAndWithoutAConfigThatLeavesKeysOut) {
 }
 
 TEST(Tunables, FlagsWinOverTheConfig) {
-  TrainFlags f{.stage = 1,
-               .dtype = "bf16",
-               .lr = 0.25,
-               .offload_optimizer = "nvme",
-               .nvme_paths = {"/swap"},
-               .sub_group = "4096",
-               .device_mem = "3G"};
+  const TrainFlags f = {{"--stage", {"1"}},         {"--dtype", {"bf16"}},
+                        {"--lr", {"0.25"}},         {"--offload-optimizer", {"nvme"}},
+                        {"--nvme-path", {"/swap"}}, {"--sub-group", {"4096"}},
+                        {"--device-mem", {"3G"}}};
   const TrainSettings s = cli_run(f, R"({"zero_optimization": {"stage": 3}, "fp16":
       {"enabled": true}, "optimizer": {"type": "AdamW", "params": {"lr": 0.5}},
       "aio": {"queue_depth": 16}})");
@@ -298,10 +300,10 @@ TEST(Tunables, ChecksumsAreOnByDefaultAndNoChecksumTurnsThemOff) {
   EXPECT_TRUE(EngineSettings{}.checksum);
   EXPECT_TRUE(cli_run().engine.checksum);
   EXPECT_FALSE(cli_run().sources.contains("checksum"));
-  const TrainSettings flag = cli_run({.no_checksum = true}, R"({"zinf": {"checksum": true}})");
+  const TrainSettings flag = cli_run({{"--no-checksum", {}}}, R"({"zinf": {"checksum": true}})");
   EXPECT_FALSE(flag.engine.checksum);
   EXPECT_EQ(flag.sources.at("checksum"), Source::kFlag);
-  EXPECT_EQ(differences(cli_json(cli_run()), cli_json(cli_run({.no_checksum = true}))),
+  EXPECT_EQ(differences(cli_json(cli_run()), cli_json(cli_run({{"--no-checksum", {}}}))),
             std::set<std::string>{"checksum"});
   const TrainSettings config = cli_run({}, R"({"zinf": {"checksum": false}})");
   EXPECT_FALSE(config.engine.checksum);
@@ -315,16 +317,27 @@ TEST(Tunables, BadFlagsAreErrorsNamingTheFlag) {
     const char* message;
   };
   const Bad cases[] = {
-      {{.device_mem = "0"}, "--device-mem: expected a positive size such as 2G, got '0'"},
-      {{.host_mem = "0G"}, "--host-mem: expected a positive size such as 2G, got '0G'"},
-      {{.host_mem = "lots"}, "--host-mem"},
-      {{.stage = 4}, "--stage must be 0..3"},
-      {{.dtype = "fp8"}, "--dtype must be fp32, bf16 or fp16, got 'fp8'"},
-      {{.stage = 2, .offload_param = "cpu"}, "parameter offload needs ZeRO stage 3"},
-      {{.offload_param = "nvme"}, "--offload-param nvme needs a swap directory: --nvme-path DIR"},
-      {{.offload_optimizer = "disk"}, "--offload-optimizer must be none, cpu or nvme"},
-      {{.max_live = "1.5"}, "--max-live: expected a non-negative whole number of elements"},
-      {{.grad_accum = 0}, "--grad-accum must be >= 1"},
+      {{{"--device-mem", {"0"}}},
+       "zinf.device_mem (--device-mem): expected a positive byte count such as 2G, got 0; leave it "
+       "out"},
+      {{{"--host-mem", {"0G"}}},
+       "zinf.host_mem (--host-mem): expected a positive byte count such as 2G, got 0"},
+      {{{"--host-mem", {"lots"}}}, "--host-mem"},
+      {{{"--stage", {"4"}}},
+       "zero_optimization.stage (--stage): expected an integer in 0..3, got 4"},
+      {{{"--dtype", {"fp8"}}}, "--dtype must be fp32, bf16 or fp16, got 'fp8'"},
+      {{{"--stage", {"2"}}, {"--offload-param", {"cpu"}}},
+       "zero_optimization.offload_param.device (--offload-param): parameter offload needs "
+       "zero_optimization.stage 3 (--stage 3), got device \"cpu\" with stage 2"},
+      {{{"--offload-param", {"nvme"}}},
+       "zero_optimization.offload_param.nvme_path (--nvme-path DIR): expected a directory on the "
+       "NVMe file system (or a list of them) for device \"nvme\" (--offload-param nvme), got none"},
+      {{{"--offload-optimizer", {"disk"}}},
+       "zero_optimization.offload_optimizer.device (--offload-optimizer): expected none, cpu or "
+       "nvme, got 'disk'"},
+      {{{"--max-live", {"1.5"}}}, "--max-live: expected a non-negative whole number of elements"},
+      {{{"--grad-accum", {"0"}}},
+       "gradient_accumulation_steps (--grad-accum): expected a positive integer, got 0"},
   };
   for (const Bad& bad : cases) {
     try {
@@ -338,7 +351,190 @@ TEST(Tunables, BadFlagsAreErrorsNamingTheFlag) {
   // The config's own zero budget is refused by the reader, naming the key.
   Result<config::Config> c = config::parse_config_text(R"({"zinf": {"host_mem": 0}})");
   ASSERT_FALSE(c.is_ok());
-  EXPECT_THAT(c.status().message(), HasSubstr("zinf.host_mem: expected a positive byte count"));
+  EXPECT_THAT(c.status().message(),
+              HasSubstr("zinf.host_mem (--host-mem): expected a positive byte count"));
+}
+
+// ---- one way in per setting
+// ----------------------------------------------------------------------
+
+// A config every entry can be set against: stage 3, a swap directory, an optimizer block.
+constexpr std::string_view kBase = R"({"optimizer": {"type": "Adam"}, "zero_optimization":
+    {"stage": 3, "offload_param": {"nvme_path": "/swap"}, "offload_optimizer":
+    {"nvme_path": "/swap"}}})";
+
+// A valid value other than `base` (the setting's value in kBase's run) for entry `e`.
+json other_value(const t::Entry& e, const json& base) {
+  if (e.list) return json::array({"/other"});
+  if (base.is_boolean()) return !base.get<bool>();
+  if (base.is_string()) {
+    const std::string b = base.get<std::string>();
+    if (e.name == t::kDtype.name) return "bf16";
+    if (e.name == t::kDevice.name) return b == "cpu" ? "cpu-strict" : "cpu";
+    return b == "cpu" ? "nvme" : "cpu";  // param_home, optimizer_home
+  }
+  if (base.is_number_float()) {
+    const double b = base.get<double>();
+    return b == 0 ? 0.5 : b / 2;
+  }
+  if (e.name == t::kStage.name) return base.get<int>() == 3 ? 2 : 3;
+  if (e.unit == t::Unit::kBytes) return base.get<uint64_t>() + (1u << 20);
+  return base.get<int64_t>() + 1;
+}
+
+// `zinf train`'s command line after "zinf train" ("--stage", "2", ...), parsed by CLI11 with the
+// flags the table registers.
+TrainFlags parse_flags(std::vector<std::string> args) {
+  CLI::App app;
+  cli::TrainFlagOptions options;
+  options.add_to(app);
+  std::reverse(args.begin(), args.end());  // CLI11 takes a reversed vector
+  app.parse(args);
+  return options.given();
+}
+
+// The config kBase with `value` at the JSON key of `e`: a list at each of its keys, a dtype as
+// its block's "enabled", pin_memory with its block enabled (the engine pins only then).
+std::string with_key(const t::Entry& e, const json& value) {
+  json j = json::parse(kBase);
+  auto set = [&](std::string_view path, const json& v) {
+    std::string pointer = "/" + std::string(path);
+    std::replace(pointer.begin(), pointer.end(), '.', '/');
+    j[json::json_pointer(pointer)] = v;
+  };
+  if (e.name == t::kDtype.name) {
+    set(value.get<std::string>() + ".enabled", true);
+    return j.dump();
+  }
+  if (e.name == t::kPinMemory.name) set("zero_optimization.offload_param.device", "cpu");
+  std::string_view paths = e.json;
+  while (!paths.empty()) {
+    const size_t comma = paths.find(',');
+    set(paths.substr(0, comma), value);
+    if (!e.list) break;
+    paths = comma == std::string_view::npos ? "" : paths.substr(comma + 2);
+  }
+  return j.dump();
+}
+
+// The settings that follow another: overlap_comm the stage (DeepSpeed's rule), staging_buffers
+// the offload block that moves to the device (offload_param's buffer_count once it is on).
+std::set<std::string> changed_with(std::string_view name) {
+  std::set<std::string> out{std::string(name)};
+  if (name == t::kStage.name) out.insert(std::string(t::kOverlapComm.name));
+  if (name == t::kParamHome.name) out.insert(std::string(t::kStagingBuffers.name));
+  return out;
+}
+
+TEST(Tunables, EverySettingReachesTheEngineByItsFlagAndItsKey) {
+  const json base = settings_json(cli_run({}, kBase).engine);
+  size_t by_flag = 0, by_key = 0;
+  for (const t::Entry& e : t::kAll) {
+    if (e.reader != t::Reader::kEngine) continue;
+    SCOPED_TRACE(std::string(e.name));
+    const std::string name(e.name);
+    const json other = other_value(e, base.at(name));
+    if (!e.flag.empty()) {
+      std::vector<std::string> args;
+      if (!std::holds_alternative<bool>(e.value)) {
+        for (const json& v : other.is_array() ? other : json::array({other})) {
+          args.push_back(std::string(e.flag));
+          args.push_back(v.is_string() ? v.get<std::string>() : v.dump());
+        }
+      } else {
+        ASSERT_NE(other, tunable_json(e, e.value)) << "the switch sets the other value";
+        args.push_back(std::string(e.flag));
+      }
+      const TrainSettings s = cli_run(parse_flags(args), kBase);
+      EXPECT_EQ(settings_json(s.engine).at(name), other) << "by " << e.flag;
+      EXPECT_EQ(differences(settings_json(s.engine), base), changed_with(e.name));
+      EXPECT_EQ(s.sources.at(name), Source::kFlag);
+      ++by_flag;
+    }
+    if (!e.json.empty() && e.json != t::kBeta1.json) {  // betas: both in one key, below
+      const TrainSettings s = cli_run({}, with_key(e, other));
+      EXPECT_EQ(settings_json(s.engine).at(name), other) << "by " << e.json;
+      const EngineSettings reader = from_config(with_key(e, other));
+      EXPECT_EQ(settings_json(reader).at(name), other) << "the config reader, by " << e.json;
+      EXPECT_EQ(s.sources.at(name), Source::kConfig);
+      ++by_key;
+    }
+  }
+  const EngineSettings betas = from_config(R"({"optimizer": {"type": "Adam", "params":
+      {"betas": [0.5, 0.75]}}})");
+  EXPECT_EQ(betas.adam.beta1, 0.5f);
+  EXPECT_EQ(betas.adam.beta2, 0.75f);
+  EXPECT_GE(by_flag, 15u);
+  EXPECT_GE(by_key, 40u);
+}
+
+// Each EngineSettings field the table names is the one settings_json() reads.
+TEST(Tunables, EngineFieldsAreTheEngineEntries) {
+  std::set<std::string> fields;
+  for (const EngineField& f : engine_fields()) fields.insert(std::string(f.name));
+  EXPECT_EQ(fields, engine_entry_names());
+  EngineSettings s;
+  s.io_rings = 3;
+  for (const EngineField& f : engine_fields()) {
+    EXPECT_EQ(f.get(s) == f.get(EngineSettings{}), f.name != t::kIoRings.name) << f.name;
+  }
+}
+
+// The rules of zinf/core/validate.h: a bad value is refused by the config reader, by `zinf train`
+// and by the engine with the one error the rule writes.
+std::string config_error(std::string_view text) {
+  Result<config::Config> c = config::parse_config_text(text);
+  EXPECT_FALSE(c.is_ok()) << text;
+  return c.is_ok() ? "" : c.status().message();
+}
+std::string cli_error(const TrainFlags& flags) {
+  try {
+    cli_run(flags);
+  } catch (const cli::CliError& e) {
+    EXPECT_EQ(e.code, 2);
+    return e.what();
+  }
+  ADD_FAILURE() << "no error";
+  return "";
+}
+std::string engine_error(const EngineSettings& s) {
+  auto group = comm::make_local_group(1).value();
+  auto e = Engine::create(s, *group[0], testing::mlp_units({}), testing::mlp_init);
+  EXPECT_FALSE(e.is_ok());
+  return e.is_ok() ? "" : e.status().message();
+}
+
+TEST(Tunables, ARuleIsWrittenOnce) {
+  const std::string stage = validate::stage(5).message();
+  EXPECT_EQ(stage, "zero_optimization.stage (--stage): expected an integer in 0..3, got 5");
+  EXPECT_EQ(config_error(R"({"zero_optimization": {"stage": 5}})"), stage);
+  EXPECT_EQ(cli_error({{"--stage", {"5"}}}), stage);
+  EXPECT_EQ(engine_error({.stage = 5}), stage);
+
+  const std::string nvme =
+      validate::nvme_path_given(validate::Offloaded::kOptimizer, "nvme", 0).message();
+  EXPECT_THAT(nvme, HasSubstr("zero_optimization.offload_optimizer.nvme_path (--nvme-path DIR)"));
+  EXPECT_THAT(nvme, HasSubstr("(--offload-optimizer nvme)"));
+  EXPECT_EQ(config_error(
+                R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}})"),
+            nvme);
+  EXPECT_EQ(cli_error({{"--offload-optimizer", {"nvme"}}}), nvme);
+  EXPECT_EQ(engine_error({.stage = 3, .optimizer_home = Tier::kNvme}), nvme);
+
+  const std::string accumulation =
+      validate::positive(*t::find(t::kGradientAccumulationSteps.name), 0).message();
+  EXPECT_EQ(config_error(R"({"gradient_accumulation_steps": 0})"), accumulation);
+  EXPECT_EQ(cli_error({{"--grad-accum", {"0"}}}), accumulation);
+  EXPECT_EQ(engine_error({.gradient_accumulation_steps = 0}), accumulation);
+
+  // DeepSpeed's overlap_comm rule, once: the config reader and zinf train follow the stage.
+  for (int st = 0; st <= 3; ++st) {
+    SCOPED_TRACE(st);
+    const std::string text = fmt::format(R"({{"zero_optimization": {{"stage": {}}}}})", st);
+    EXPECT_EQ(parse(text).zero.overlap_comm, t::overlap_comm_for_stage(st));
+    EXPECT_EQ(cli_run({{"--stage", {std::to_string(st)}}}).engine.overlap_comm,
+              t::overlap_comm_for_stage(st));
+  }
 }
 
 // ---- the learning-rate schedule and DeepSpeed's "auto"
@@ -360,8 +556,9 @@ TEST(Tunables, AutoValuesAreResolvedFromTheRunAndShown) {
       "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto",
           "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto"},
       "aio": {"queue_depth": "auto"}})";
-  const TrainSettings s = cli_train({.lr = 0.02, .grad_accum = 3, .batch = 5, .warmup_steps = 7},
-                                    hf, {.hidden = 768, .steps = 120});
+  const TrainSettings s = cli_train(
+      {{"--lr", {"0.02"}}, {"--grad-accum", {"3"}}, {"--batch", {"5"}}, {"--warmup-steps", {"7"}}},
+      hf, {.hidden = 768, .steps = 120});
   EXPECT_EQ(s.batch, 5);
   EXPECT_EQ(s.engine.gradient_accumulation_steps, 3);
   EXPECT_EQ(s.config.train_batch_size, 5 * 3 * 2);
@@ -391,6 +588,8 @@ TEST(Tunables, AutoValuesAreResolvedFromTheRunAndShown) {
   EXPECT_EQ(s.sources.at("warmup_num_steps"), Source::kFlag);
   const std::string block = cli::settings_block(s);
   EXPECT_THAT(block, HasSubstr("reduce_bucket_elements=589824 (auto: hidden^2, hidden 768)"));
+  EXPECT_THAT(cli::settings_line(s),
+              HasSubstr(" reduce_bucket_elements=589824 (auto: hidden^2, hidden 768)"));
   EXPECT_THAT(block, HasSubstr("param_persistence_threshold=7680 elements (auto: 10 hidden"));
   EXPECT_THAT(block, HasSubstr("io_queue_depth=8 (auto: its default: nothing in the run decides"));
   EXPECT_THAT(block, HasSubstr("lr schedule WarmupDecayLR:\n  total_num_steps=120"));
@@ -427,8 +626,9 @@ TEST(Tunables, ScheduleFlagsSetTheSchedulerBlock) {
   using Type = config::SchedulerConfig::Type;
   const TrainSettings plain = cli_run();
   EXPECT_EQ(plain.config.scheduler.type, Type::kNone);
-  const TrainSettings cosine = cli_train({.lr_schedule = "WarmupCosineLR", .warmup_steps = 10},
-                                         "{}", {.hidden = 32, .steps = 50});
+  const TrainSettings cosine =
+      cli_train({{"--lr-schedule", {"WarmupCosineLR"}}, {"--warmup-steps", {"10"}}}, "{}",
+                {.hidden = 32, .steps = 50});
   EXPECT_EQ(cosine.config.scheduler.type, Type::kWarmupCosineLR);
   EXPECT_EQ(cosine.config.scheduler.warmup_num_steps, 10);
   EXPECT_EQ(cosine.config.scheduler.total_num_steps, 50) << "the run's --steps";
@@ -437,16 +637,16 @@ TEST(Tunables, ScheduleFlagsSetTheSchedulerBlock) {
             (std::set<std::string>{"lr_schedule", "warmup_num_steps"}));
   // The flag overrides the config's type and keeps its parameters when the type accepts them.
   const TrainSettings decay = cli_train(
-      {.lr_schedule = "WarmupDecayLR"},
+      {{"--lr-schedule", {"WarmupDecayLR"}}},
       R"({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4, "warmup_max_lr": 0.1}}})",
       {.steps = 9});
   EXPECT_EQ(decay.config.scheduler.type, Type::kWarmupDecayLR);
   EXPECT_EQ(decay.config.scheduler.warmup_num_steps, 4);
   EXPECT_EQ(decay.config.scheduler.warmup_max_lr, 0.1);
-  EXPECT_EQ(
-      cli_train({.lr_schedule = "none"}, R"({"scheduler": {"type": "WarmupLR"}})", {.steps = 9})
-          .config.scheduler.type,
-      Type::kNone);
+  EXPECT_EQ(cli_train({{"--lr-schedule", {"none"}}}, R"({"scheduler": {"type": "WarmupLR"}})",
+                      {.steps = 9})
+                .config.scheduler.type,
+            Type::kNone);
 
   struct Bad {
     TrainFlags flags;
@@ -454,18 +654,22 @@ TEST(Tunables, ScheduleFlagsSetTheSchedulerBlock) {
     const char* message;
   };
   const Bad cases[] = {
-      {{.lr_schedule = "cosine"}, "{}", "--lr-schedule must be none, WarmupLR, WarmupDecayLR"},
-      {{.warmup_steps = 5},
+      {{{"--lr-schedule", {"cosine"}}},
+       "{}",
+       "--lr-schedule must be none, WarmupLR, WarmupDecayLR"},
+      {{{"--warmup-steps", {"5"}}},
        "{}",
        "--warmup-steps applies to WarmupLR, WarmupDecayLR and "
        "WarmupCosineLR; the schedule is none"},
-      {{.lr_schedule = "WarmupLR", .warmup_steps = 0}, "{}", "--warmup-steps must be >= 1"},
-      {{.lr_schedule = "OneCycle"}, "{}", "scheduler.params.cycle_min_lr: OneCycle requires"},
-      {{.lr_schedule = "OneCycle"},
+      {{{"--lr-schedule", {"WarmupLR"}}, {"--warmup-steps", {"0"}}},
+       "{}",
+       "scheduler.params.warmup_num_steps (--warmup-steps): expected a positive integer, got 0"},
+      {{{"--lr-schedule", {"OneCycle"}}}, "{}", "scheduler.params.cycle_min_lr: OneCycle requires"},
+      {{{"--lr-schedule", {"OneCycle"}}},
        R"({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 4}}})",
        "--lr-schedule OneCycle: the config's scheduler.params.warmup_num_steps is not a "
        "parameter of OneCycle"},
-      {{.warmup_steps = 3},
+      {{{"--warmup-steps", {"3"}}},
        R"({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0, "cycle_max_lr": 1}}})",
        "the schedule is OneCycle"},
   };
@@ -497,8 +701,35 @@ TEST(Tunables, TheComparisonIsNotVacuous) {
             tunable_json(queue_depth, t::Value(uint64_t{32})));
 }
 
+// The start-up line names what is not left at the table's default, with its source, and nothing
+// else (a value the config sets to the default's included).
+TEST(Tunables, TheStartUpLineNamesWhatIsNotTheDefault) {
+  const TrainSettings s = cli_run({{"--stage", {"2"}}, {"--host-mem", {"1G"}}},
+                                  R"({"aio": {"queue_depth": 4}, "zinf": {"seed": 0}})");
+  const std::string line = cli::settings_line(s);
+  EXPECT_EQ(std::count(line.begin(), line.end(), '\n'), 1) << line;
+  EXPECT_EQ(line.back(), '\n');
+  EXPECT_THAT(line, ::testing::StartsWith("settings "));
+  EXPECT_THAT(line, HasSubstr(" stage=2 (flag) "));
+  EXPECT_THAT(line, HasSubstr(" host_mem=1024 MiB (flag)"));
+  EXPECT_THAT(line, HasSubstr(" io_queue_depth=4 (config)"));
+  EXPECT_THAT(line, HasSubstr(" seed=0 (config)")) << "set by the config, at the default's value";
+  EXPECT_THAT(line, HasSubstr(" adam.lr=0.003 (zinf train)"));
+  EXPECT_THAT(line, HasSubstr(" micro_batch=8 (zinf train)"));
+  size_t named = 0;
+  for (const t::Entry& e : t::kAll) {
+    const bool shown = line.find(" " + std::string(e.name) + "=") != std::string::npos;
+    EXPECT_EQ(shown, s.sources.contains(e.name)) << e.name;
+    named += shown;
+  }
+  EXPECT_EQ(named, s.sources.size());
+  EXPECT_THAT(line, ::testing::Not(HasSubstr("device_mem=")));
+  EXPECT_THAT(line, ::testing::Not(HasSubstr("adam.beta1=")));
+}
+
 TEST(Tunables, TheStartUpBlockAndTheLogLineNameEverySetting) {
-  const TrainSettings s = cli_run({.stage = 2, .host_mem = "1G"}, R"({"aio": {"queue_depth": 4}})");
+  const TrainSettings s =
+      cli_run({{"--stage", {"2"}}, {"--host-mem", {"1G"}}}, R"({"aio": {"queue_depth": 4}})");
   const std::string block = cli::settings_block(s);
   for (const t::Entry& e : t::kAll)
     EXPECT_THAT(block, HasSubstr(std::string(e.name) + "=")) << e.name;

@@ -3,6 +3,8 @@
 #include <cmath>
 #include <string>
 
+#include "zinf/core/validate.h"
+
 namespace zinf::config::detail {
 namespace {
 
@@ -89,12 +91,10 @@ Status check_precision(const Config& c) {
 Status check_offload(const OffloadConfig& o, std::string_view block, int stage) {
   std::string path = fmt::format("zero_optimization.{}", block);
   bool is_param = block == "offload_param";
-  if (o.device == OffloadDevice::kNvme && o.nvme_path.empty()) {
-    return invalid(
-        "{}.nvme_path: device is \"nvme\", expected a directory on the NVMe file system (or a "
-        "list of them), got none",
-        path);
-  }
+  const validate::Offloaded what =
+      is_param ? validate::Offloaded::kParams : validate::Offloaded::kOptimizer;
+  const std::string_view device = offload_device_name(o.device);
+  ZINF_RETURN_IF_ERROR(validate::nvme_path_given(what, device, o.nvme_path.size()));
   for (size_t i = 0; i < o.nvme_path.size(); ++i) {
     if (o.nvme_path[i].empty()) {
       return invalid("{}.nvme_path[{}]: expected a non-empty directory path, got \"\"", path, i);
@@ -103,35 +103,12 @@ Status check_offload(const OffloadConfig& o, std::string_view block, int stage) 
   if (o.buffer_count < 1) {
     return invalid("{}.buffer_count: expected an integer >= 1, got {}", path, o.buffer_count);
   }
-  if (!is_param && !(o.ratio > 0 && o.ratio <= 1)) {
-    return invalid("{}.ratio: expected a fraction in (0, 1], got {}", path, o.ratio);
-  }
-  if (!o.enabled()) return Status::ok();
-  if (is_param && stage < 3) {
-    return invalid(
-        "{}.device: parameter offload needs zero_optimization.stage 3, got device \"{}\" with "
-        "stage {}",
-        path, offload_device_name(o.device), stage);
-  }
-  if (!is_param && stage < 1) {
-    return invalid(
-        "{}.device: optimizer offload needs zero_optimization.stage 1, 2 or 3, got device \"{}\" "
-        "with stage {}",
-        path, offload_device_name(o.device), stage);
-  }
-  if (!is_param && o.ratio < 1 && stage != 3) {
-    return invalid(
-        "{}.ratio: partial optimizer offload (ratio < 1) needs zero_optimization.stage 3, got "
-        "ratio {} with stage {}",
-        path, o.ratio, stage);
-  }
-  return Status::ok();
+  if (!is_param) ZINF_RETURN_IF_ERROR(validate::optimizer_offload_ratio(o.ratio));
+  return validate::offload_stage(what, device, stage, o.ratio);
 }
 
 Status check_zero(const ZeroConfig& z) {
-  if (z.stage < 0 || z.stage > 3) {
-    return invalid("zero_optimization.stage: expected an integer in 0..3, got {}", z.stage);
-  }
+  ZINF_RETURN_IF_ERROR(validate::stage(z.stage));
   if (z.reduce_bucket_size == 0) {
     return invalid(
         "zero_optimization.reduce_bucket_size: expected a positive number of "

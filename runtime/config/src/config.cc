@@ -10,16 +10,19 @@
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
+#include <climits>
 #include <functional>
 #include <optional>
 #include <set>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
 #include "check.h"
 #include "json_reader.h"
 #include "zinf/core/log.h"
+#include "zinf/core/validate.h"
 
 namespace zinf::config {
 
@@ -316,12 +319,14 @@ Status read_zero(ObjectReader& z, ZeroConfig& c) {
     constexpr std::string_view kWhat = "an integer in 0..3";
     ZINF_ASSIGN_OR_RETURN(const json* stage, z.value("stage", Auto::kRefused, kWhat));
     if (stage != nullptr) {
-      std::optional<int64_t> s = detail::as_int(*stage, 0, 3);
+      // Any integer here; the range is validate::stage's, checked with the other rules.
+      std::optional<int64_t> s = detail::as_int(*stage, INT_MIN, INT_MAX);
       if (!s) return detail::type_error(z.key_path("stage"), kWhat, *stage);
       c.stage = static_cast<int>(*s);
+      ZINF_RETURN_IF_ERROR(validate::stage(c.stage));
     }
   }
-  c.overlap_comm = c.stage == 3;  // DeepSpeed's default when the key is absent
+  c.overlap_comm = tunables::overlap_comm_for_stage(c.stage);  // when the key is absent
   ZINF_RETURN_IF_ERROR(z.read_bool("overlap_comm", c.overlap_comm));
   ZINF_RETURN_IF_ERROR(z.read_uint("reduce_bucket_size", c.reduce_bucket_size));
   ZINF_RETURN_IF_ERROR(z.read_uint("sub_group_size", c.sub_group_size));
@@ -541,14 +546,11 @@ Status read_aio(ObjectReader& r, AioConfig& a) {
 Status read_zinf(ObjectReader& r, ZinfConfig& z) {
   // Budgets: 0 in the struct means auto; written in the file it is refused, so that nobody asks
   // for "unlimited" and gets a budget that fits the machine instead (or the other way round).
-  for (auto [key, field] : {std::pair{"device_mem", &z.device_mem}, {"host_mem", &z.host_mem}}) {
+  for (auto [key, field, entry] :
+       {std::tuple{"device_mem", &z.device_mem, tunables::find(tunables::kDeviceMem.name)},
+        {"host_mem", &z.host_mem, tunables::find(tunables::kHostMem.name)}}) {
     ZINF_RETURN_IF_ERROR(r.read_bytes(key, *field));
-    if (r.given(key) && *field == 0) {
-      return make_error(ErrorCode::kInvalidArgument,
-                        "{}: expected a positive byte count, got 0; leave the key out for a "
-                        "budget that fits the machine (docs/engine.md)",
-                        r.key_path(key));
-    }
+    if (r.given(key)) ZINF_RETURN_IF_ERROR(validate::explicit_budget(*entry, *field));
   }
   ZINF_RETURN_IF_ERROR(r.read_string("trace", z.trace));
   ZINF_RETURN_IF_ERROR(r.read_uint("seed", z.seed));
@@ -569,15 +571,20 @@ Status read_batch(ObjectReader& top, Config& c) {
   struct Key {
     std::string_view name;
     int64_t* field;
+    const tunables::Entry* entry;  // nullptr: train_batch_size, which has no entry
     bool given;
   };
-  Key keys[] = {{"train_batch_size", &c.train_batch_size, false},
-                {"train_micro_batch_size_per_gpu", &c.train_micro_batch_size_per_gpu, false},
-                {"gradient_accumulation_steps", &c.gradient_accumulation_steps, false}};
+  Key keys[] = {{"train_batch_size", &c.train_batch_size, nullptr, false},
+                {"train_micro_batch_size_per_gpu", &c.train_micro_batch_size_per_gpu,
+                 tunables::find(tunables::kMicroBatch.name), false},
+                {"gradient_accumulation_steps", &c.gradient_accumulation_steps,
+                 tunables::find(tunables::kGradientAccumulationSteps.name), false}};
   for (Key& k : keys) {
     k.given = top.given(k.name);
     ZINF_RETURN_IF_ERROR(top.read_int(k.name, *k.field));
-    if (k.given && *k.field < 1) {
+    if (!k.given) continue;
+    if (k.entry != nullptr) ZINF_RETURN_IF_ERROR(validate::positive(*k.entry, *k.field));
+    if (*k.field < 1) {
       return make_error(ErrorCode::kInvalidArgument, "{}: expected a positive integer, got {}",
                         k.name, *k.field);
     }

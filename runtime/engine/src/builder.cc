@@ -5,6 +5,7 @@
 
 #include "state_sizes.h"
 #include "zinf/core/units.h"
+#include "zinf/core/validate.h"
 #include "zinf/engine/budgets.h"
 #include "zinf/kernels/cpu_adam.h"
 #include "zinf/sched/sub_groups.h"
@@ -16,29 +17,20 @@ class Builder {
  public:
   Builder(EngineState& state, OptimizerPipeline& pipeline) : e(state), optimizer(pipeline) {}
 
+  // The rules of zinf/core/validate.h that apply to EngineSettings.
   Status validate() const {
     const EngineSettings& s = e.s;
-    if (s.stage < 0 || s.stage > 3) {
-      return make_error(ErrorCode::kInvalidArgument, "ZeRO stage must be 0..3, got {}", s.stage);
+    ZINF_RETURN_IF_ERROR(validate::stage(s.stage));
+    ZINF_RETURN_IF_ERROR(validate::offload_stage(validate::Offloaded::kParams,
+                                                 EngineSettings::home_name(s.param_home), s.stage));
+    for (auto [what, home] : {std::pair{validate::Offloaded::kParams, s.param_home},
+                              {validate::Offloaded::kOptimizer, s.optimizer_home}}) {
+      ZINF_RETURN_IF_ERROR(
+          validate::nvme_path_given(what, EngineSettings::home_name(home), s.nvme_paths.size()));
     }
-    if (s.param_home != Tier::kDevice && !e.policy.sharded_params) {
-      return make_error(ErrorCode::kInvalidArgument,
-                        "parameter offload needs ZeRO stage 3 (stage is {})", s.stage);
-    }
-    if ((s.param_home == Tier::kNvme || s.optimizer_home == Tier::kNvme) && s.nvme_paths.empty()) {
-      return make_error(ErrorCode::kInvalidArgument, "NVMe offload needs at least one nvme_path");
-    }
-    if (s.gradient_accumulation_steps < 1) {
-      return make_error(ErrorCode::kInvalidArgument,
-                        "gradient_accumulation_steps must be at least 1, got {}",
-                        s.gradient_accumulation_steps);
-    }
-    if (!(s.optimizer_offload_ratio > 0 && s.optimizer_offload_ratio <= 1)) {
-      return make_error(ErrorCode::kInvalidArgument,
-                        "offload_optimizer.ratio must be in (0, 1], got {}",
-                        s.optimizer_offload_ratio);
-    }
-    return Status::ok();
+    ZINF_RETURN_IF_ERROR(validate::positive(
+        *tunables::find(tunables::kGradientAccumulationSteps.name), s.gradient_accumulation_steps));
+    return validate::optimizer_offload_ratio(s.optimizer_offload_ratio);
   }
 
   // Resolves automatic budgets (device_mem / host_mem 0) into e.s from the model's sizes and the

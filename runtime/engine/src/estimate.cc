@@ -6,6 +6,7 @@
 
 #include "stage_policy.h"
 #include "state_sizes.h"
+#include "zinf/core/state_bytes.h"
 #include "zinf/core/units.h"
 
 namespace zinf {
@@ -157,7 +158,7 @@ void traffic(const RowSetup& r, EstimateRow& row) {
   const bool param_off = p.param_home != Tier::kDevice;
   row.collective_bytes = (r.policy.sharded_params ? 3 : 2) * T * w;
   const uint64_t uses = row.live_window_elements >= T && r.s.max_reuse_distance > 0 ? 1 : 2;
-  const uint64_t opt_state = 8 + 4 + (mixed ? 4 : 0);  // m, v, accumulator, master
+  const uint64_t opt_state = optimizer_state_bytes_per_element(r.s.dtype, Accumulator::kIncluded);
   if (opt_off) row.pcie_bytes += r.owned * w + (param_off ? 0 : r.owned * w);
   if (param_off) row.pcie_bytes += uses * r.rank_params * w;
   if (p.optimizer_home == Tier::kNvme) {

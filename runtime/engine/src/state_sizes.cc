@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "zinf/core/state_bytes.h"
+
 namespace zinf::engine_detail {
 
 uint64_t staging_total_bytes(const EngineSettings& s, bool nvme) {
@@ -28,7 +30,6 @@ StateSizes measure_state(const EngineSettings& s, const StagePolicy& policy,
                          const std::vector<zero::ShardLayout>& layouts,
                          const std::vector<Tier>& opt_homes, int world) {
   const bool nvme = s.param_home == Tier::kNvme || s.optimizer_home == Tier::kNvme;
-  const bool mixed = s.dtype != DType::kF32;
   const uint64_t wsize = dtype_size(s.dtype);
   StateSizes z{.staging_bytes = staging_total_bytes(s, nvme),
                .optimizer_offloaded = s.optimizer_home != Tier::kDevice,
@@ -52,8 +53,9 @@ StateSizes measure_state(const EngineSettings& s, const StagePolicy& policy,
     if (opt_homes[u] != Tier::kDevice && s.param_home != Tier::kHost) {
       z.cpu_update_bytes = std::max(z.cpu_update_bytes, 2 * params);
     }
-    home(opt_homes[u],
-         policy.owned_elements(l) * (mixed ? 12 : 8) + policy.accumulator_elements(l) * 4);
+    home(opt_homes[u], policy.owned_elements(l) *
+                               optimizer_state_bytes_per_element(s.dtype, Accumulator::kExcluded) +
+                           policy.accumulator_elements(l) * kAccumulatorBytesPerElement);
   }
   return z;
 }

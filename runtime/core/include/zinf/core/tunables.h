@@ -1,23 +1,38 @@
 // Every tunable of zinf, declared once (STYLE.md 11, as NCCL_PARAM declares NCCL's): its name,
 // the DeepSpeed JSON key(s) that set it, the `zinf train` flag, its default, its unit and one line
-// of doc. The engine's EngineSettings (zinf/engine/engine.h), the config reader's structs
-// (zinf/config/config.h) and the `zinf train` command take their defaults from here; no other
-// file writes a default. tests/settings checks that the three agree, entry by entry.
+// of doc. What the other parts take from an entry:
+//   - EngineSettings (zinf/engine/engine.h) and the config reader's structs (zinf/config/config.h)
+//     take their defaults from it; no other file writes a default;
+//   - settings_json() (runtime/engine/src/settings.cc) writes every engine entry by name, from
+//     the EngineSettings field its line in that file's field list names (a compile-time check
+//     holds the list to the engine entries), and settings_from_config() sets that field from the
+//     entry's JSON key where it has one;
+//   - `zinf train` (cli/train_settings.cc) registers every `flag` with the doc, the JSON key and
+//     the default as its help, sets the config field of the entry's JSON key from it (so a flag
+//     means exactly what its key means), applies the `train` values, and names every entry not left
+//     at its default in its start-up line (all of them with --show-settings and in --log-json);
+//   - the rules that several readers apply (zinf/core/validate.h) name a setting by its JSON key
+//     and flag.
+// tests/settings checks that the engine, the config reader and `zinf train` agree, entry by entry.
 //
-// How a default was chosen: where DeepSpeed has the key, DeepSpeed's documented default
+// How a default is chosen: where DeepSpeed has the key, DeepSpeed's documented default
 // (deepspeed/runtime/zero/config.py, offload_config.py, swap_tensor/aio_config.py, the fp16/bf16
 // constants, FusedAdam's arguments); for settings only zinf has (the "zinf" JSON block and the
-// engine-only ones), the engine's. An entry whose default changed when the table was introduced
-// says what the engine, the config reader or the CLI used before.
+// engine-only ones), the engine's. An entry whose default is not the obvious one says why.
 //
 // `zinf train` is an example trainer with a recipe of its own: where `train` is set, the command
 // uses that value unless a flag or the config file sets the key (so `zinf train` runs the same
 // with and without a config that leaves the key out). The engine and the config reader never see
 // these values.
 //
-// Adding a tunable: an entry here, in kAll below, a field in EngineSettings (or the config struct
-// or the CLI) whose default names the entry, a line in settings_json() (runtime/engine/src/
-// settings.cc) and a row in docs/configuration.md. tests/settings fails until all agree.
+// Adding a tunable: an entry here and its line in kAll below; then its use. An engine setting: a
+// field in EngineSettings whose default names the entry, and that field's line in settings.cc's
+// list (settings_json() and settings_from_config() then carry it). A JSON key: the config
+// struct's field (its default names the entry), read in runtime/config and written by
+// config::to_json(). A flag or a `train` value: the config field it sets, in
+// cli/train_settings.cc's kConfigFields (its registration, help and start-up mark follow from the
+// entry). A row in docs/configuration.md. tests/settings fails until the engine, the config
+// reader and the CLI agree.
 #pragma once
 
 #include <array>
@@ -68,6 +83,7 @@ struct Tunable {
   std::string_view flag;  // the `zinf train` flag; "" = none
   std::string_view doc;   // one line
   std::optional<T> train = std::nullopt;  // `zinf train`'s own default, where it differs
+  bool list = false;  // a list of values: the flag repeats, the JSON key takes one or a list
 };
 
 // ---- precision, batch, optimizer ----------------------------------------------------------------
@@ -245,11 +261,13 @@ inline constexpr Tunable<uint64_t> kReduceBucket{
     .json = "zero_optimization.reduce_bucket_size",
     .doc = "gradient elements reduced at once",
 };
+// DeepSpeed's default for an absent overlap_comm, which depends on the stage: on for stage 3. The
+// config reader and `zinf train` apply it when nothing sets the key.
+constexpr bool overlap_comm_for_stage(int stage) { return stage == 3; }
+
 inline constexpr Tunable<bool> kOverlapComm{
     .name = "overlap_comm",
-    // DeepSpeed's default depends on the stage: true for stage 3. The config reader applies that
-    // rule when the key is absent; this is the value for the default stage, 0.
-    .value = false,
+    .value = overlap_comm_for_stage(kStage.value),  // the default stage's
     .json = "zero_optimization.overlap_comm",
     .doc = "leave gradient reductions in flight across unit scopes (default: stage == 3)",
 };
@@ -287,7 +305,7 @@ inline constexpr Tunable<uint64_t> kMaxReuseDistance{
 };
 inline constexpr Tunable<uint64_t> kParamPersistenceThreshold{
     .name = "param_persistence_threshold",
-    .value = 100'000,  // DeepSpeed's 1e5 (the engine used 0 before the table)
+    .value = 100'000,  // DeepSpeed's 1e5
     .unit = Unit::kElements,
     .json = "zero_optimization.stage3_param_persistence_threshold",
     .doc = "stage 3: units of at most this many parameters stay gathered, all-gathered once/step",
@@ -322,7 +340,10 @@ inline constexpr Tunable<std::string_view> kNvmePaths{
     .json =
         "zero_optimization.offload_param.nvme_path, zero_optimization.offload_optimizer.nvme_path",
     .flag = "--nvme-path",
-    .doc = "swap directories; several are striped",
+    .doc =
+        "swap directories, several striped (the flag repeats); zinf train removes the "
+        "zinf-<pid>-* directories that dead zinf processes left there",
+    .list = true,
 };
 inline constexpr Tunable<uint64_t> kParamMaxInCpu{
     .name = "param_max_in_cpu",
@@ -348,14 +369,14 @@ inline constexpr Tunable<uint32_t> kStagingBuffers{
 };
 inline constexpr Tunable<uint64_t> kStagingBytes{
     .name = "staging_bytes",
-    .value = 2ull << 20,  // the engine's (the config reader used 4 MiB before the table)
+    .value = 2ull << 20,  // the engine's (DeepSpeed has no key)
     .unit = Unit::kBytes,
     .json = "zinf.staging_bytes",
     .doc = "NVMe <-> device staging piece; a multiple of 1 MiB",
 };
 inline constexpr Tunable<bool> kPinMemory{
     .name = "pin_memory",
-    .value = false,  // DeepSpeed's (the engine pinned by default before the table)
+    .value = false,  // DeepSpeed's
     .json =
         "zero_optimization.offload_param.pin_memory, "
         "zero_optimization.offload_optimizer.pin_memory",
@@ -363,14 +384,14 @@ inline constexpr Tunable<bool> kPinMemory{
 };
 inline constexpr Tunable<bool> kPipelineRead{
     .name = "pipeline_read",
-    .value = false,  // DeepSpeed's (the engine's was true before the table)
+    .value = false,  // DeepSpeed's
     .json = "zero_optimization.offload_optimizer.pipeline_read",
     .doc = "read the next optimizer sub-group while one is updated",
     .train = true,  // zinf train overlaps the optimizer's offload traffic with its updates
 };
 inline constexpr Tunable<bool> kPipelineWrite{
     .name = "pipeline_write",
-    .value = false,  // DeepSpeed's (the engine's was true before the table)
+    .value = false,  // DeepSpeed's
     .json = "zero_optimization.offload_optimizer.pipeline_write",
     .doc = "write an updated optimizer sub-group back while the next is updated",
     .train = true,  // zinf train overlaps the optimizer's offload traffic with its updates
@@ -387,7 +408,7 @@ inline constexpr Tunable<uint64_t> kIoBlockSize{
 };
 inline constexpr Tunable<uint32_t> kIoQueueDepth{
     .name = "io_queue_depth",
-    .value = 8,  // DeepSpeed's (the engine used 32 before the table)
+    .value = 8,  // DeepSpeed's
     .unit = Unit::kCount,
     .json = "aio.queue_depth",
     .doc = "I/O requests in flight per ring",
@@ -414,7 +435,7 @@ inline constexpr Tunable<uint64_t> kDeviceMem{
     .unit = Unit::kBytes,
     .json = "zinf.device_mem",
     .flag = "--device-mem",
-    .doc = "device byte budget per rank; 0 = auto (fit the machine, docs/engine.md)",
+    .doc = "device byte budget per rank, e.g. 2G; left out (0): fit the machine (docs/engine.md)",
 };
 inline constexpr Tunable<uint64_t> kHostMem{
     .name = "host_mem",
@@ -422,7 +443,7 @@ inline constexpr Tunable<uint64_t> kHostMem{
     .unit = Unit::kBytes,
     .json = "zinf.host_mem",
     .flag = "--host-mem",
-    .doc = "host byte budget per rank; 0 = auto (fit the machine, docs/engine.md)",
+    .doc = "host byte budget per rank, e.g. 4G; left out (0): fit the machine (docs/engine.md)",
 };
 inline constexpr Tunable<bool> kOverlapOptimizer{
     .name = "overlap_optimizer",
@@ -443,8 +464,8 @@ inline constexpr Tunable<bool> kUpdateBehind{
 };
 inline constexpr Tunable<bool> kChecksum{
     .name = "checksum",
-    // On since issue 16 (off before): a swap file changed behind zinf's back is an error naming
-    // the tensor and offset, not training on corrupted state. Its cost: docs/security.md.
+    // On: a swap file changed behind zinf's back is an error naming the tensor and offset, not
+    // training on corrupted state. Its cost: docs/security.md.
     .value = true,
     .json = "zinf.checksum",
     .flag = "--no-checksum",
@@ -493,7 +514,9 @@ inline constexpr Tunable<std::string_view> kTrace{
     .reader = Reader::kTrain,
     .json = "zinf.trace",
     .flag = "--trace",
-    .doc = "Chrome/Perfetto trace file to write; \"\" = none",
+    .doc =
+        "Chrome/Perfetto trace file to write; \"\" = none; under a launcher rank r writes its own, "
+        "named with .rank<r> before the extension",
 };
 
 // ---- the catalogue ------------------------------------------------------------------------------
@@ -510,6 +533,7 @@ struct Entry {
   std::string_view flag;
   std::string_view doc;
   std::optional<Value> train;
+  bool list;
 };
 
 namespace detail {
@@ -530,7 +554,7 @@ template <class T>
 constexpr Entry entry(const Tunable<T>& t) {
   std::optional<Value> train;
   if (t.train) train = to_value(*t.train);
-  return {t.name, to_value(t.value), t.unit, t.reader, t.json, t.flag, t.doc, train};
+  return {t.name, to_value(t.value), t.unit, t.reader, t.json, t.flag, t.doc, train, t.list};
 }
 }  // namespace detail
 

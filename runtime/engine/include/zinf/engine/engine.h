@@ -56,13 +56,18 @@ struct EngineSettings {
   // Every default below names its entry in the table of tunables (zinf/core/tunables.h), which
   // says where it comes from (DeepSpeed's default wherever DeepSpeed has the key); no default is
   // written here. tests/settings checks that EngineSettings{}, the config reader and `zinf train`
-  // agree; a new field needs a table entry and a line in settings_json() (zinf/engine/settings.h).
+  // agree; a new field needs a table entry and its line in engine_fields()
+  // (zinf/engine/settings.h).
 
   // The tier a table offload device ("none", "cpu", "nvme") stands for: "none" is the device.
   static constexpr Tier home_tier(std::string_view offload_device) {
     return offload_device == "nvme"  ? Tier::kNvme
            : offload_device == "cpu" ? Tier::kHost
                                      : Tier::kDevice;
+  }
+  // The other way round: the device a home tier is named by in the table.
+  static constexpr std::string_view home_name(Tier home) {
+    return home == Tier::kNvme ? "nvme" : home == Tier::kHost ? "cpu" : "none";
   }
 
   int stage = tunables::kStage.value;    // ZeRO stage 0..3

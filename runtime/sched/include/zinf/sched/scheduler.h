@@ -21,21 +21,23 @@
 #include <optional>
 #include <vector>
 
+#include "zinf/core/tunables.h"
+
 namespace zinf::sched {
 
 struct SchedulerOptions {
   // stage3_prefetch_bucket_size: units along the trace are fetched ahead of use while the
   // elements of the units ahead (distinct, in trace order) stay below this. 0 = none.
-  uint64_t prefetch_elements = 50'000'000;
+  uint64_t prefetch_elements = tunables::kPrefetchBucket.value;
   // Reads from slower tiers start this many times further ahead than the gathers, so that a
   // unit's shard has arrived by the time its all-gather is issued.
   uint64_t read_ahead_factor = 2;
   // stage3_max_live_parameters: elements of the units live at once (in use, fetched ahead or
   // kept). Fetching ahead and keeping stop at this bound; the unit being used is always allowed.
-  uint64_t max_live_elements = 1'000'000'000;
+  uint64_t max_live_elements = tunables::kMaxLive.value;
   // stage3_max_reuse_distance: a unit whose use ends stays live when it is used again within
   // this many elements of other units' uses. 0 = never kept.
-  uint64_t max_reuse_distance = 1'000'000'000;
+  uint64_t max_reuse_distance = tunables::kMaxReuseDistance.value;
   // A unit's read ahead takes the room its gathered parameters will (one rank: the shard read to
   // the device is what the gather uses): reads ahead stay within max_live_elements as well.
   bool reads_in_live_room = false;
