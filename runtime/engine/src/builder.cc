@@ -62,9 +62,14 @@ class Builder {
     }
     e.s.device_mem = e.budgets.device_bytes;
     e.s.host_mem = e.budgets.host_bytes;
-    // The reductions a step keeps in flight follow from the agreed budget (the same on every
-    // rank); a budget that cannot hold one unit's working set is refused here, before anything
-    // is allocated, rather than failing mid-step.
+    return check_budgets_fit(z);
+  }
+
+  // The reductions a step keeps in flight follow from the agreed budget (the same on every
+  // rank); a budget that cannot hold one unit's working set is refused here, before anything is
+  // allocated, rather than failing mid-step.
+  Status check_budgets_fit(const StateSizes& z) {
+    const EngineSettings& s = e.s;
     e.max_reductions_in_flight = reductions_that_fit(z, s.dtype, e.s.device_mem, s.overlap_comm);
     if (e.max_reductions_in_flight < 0) {
       const uint64_t need = device_minimum_bytes(z, s.dtype, 0);

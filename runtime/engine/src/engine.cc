@@ -9,6 +9,7 @@
 #include "checkpoint.h"
 #include "engine_impl.h"
 #include "zinf/core/log.h"
+#include "zinf/core/state_bytes.h"
 #include "zinf/core/trace.h"
 #include "zinf/engine/budgets.h"
 
@@ -326,7 +327,8 @@ NvmeTraffic nvme_traffic_minimum(const NvmeTrafficInputs& in) {
   // Without clipping (and without fp16's overflow check) each unit can be updated as soon as
   // its gradient is final, during the last backward pass.
   const bool fused = !in.clipping && in.dtype != DType::kF16;
-  const uint64_t optimizer_state = 8 + (mixed ? 4 : 0);  // m, v (and the fp32 master)
+  const uint64_t optimizer_state =
+      optimizer_state_bytes_per_element(in.dtype, Accumulator::kExcluded);
   NvmeTraffic t;
   // Every micro-step's forward and backward pass gathers each unit: its shard is read twice. A
   // persistent unit is gathered once per step and kept: read once.

@@ -5,6 +5,7 @@
 
 #include "update_policy.h"
 #include "zinf/core/log.h"
+#include "zinf/core/state_bytes.h"
 #include "zinf/kernels/cpu_adam.h"
 
 namespace zinf::engine_detail {
@@ -37,7 +38,8 @@ uint64_t OptimizerPipeline::sub_group_limit() const {
   // parameter tensor is acquired whole for its pieces' updates: the two it holds (the one being
   // updated, the next read ahead: StateSizes::cpu_update_bytes) and the staging buffers come off
   // the budget first.
-  const uint64_t bytes_per_element = e_.mixed ? 16 : 12;
+  const uint64_t bytes_per_element =
+      optimizer_state_bytes_per_element(e_.s.dtype, Accumulator::kIncluded);
   const uint64_t reserved = e_.staging_total + e_.sizes.cpu_update_bytes;
   const uint64_t fit =
       (e_.s.host_mem - std::min(e_.s.host_mem, reserved)) / (3 * bytes_per_element);
@@ -50,7 +52,10 @@ void OptimizerPipeline::set_plan(const sched::SubGroupPlan& plan, uint64_t accum
   // its pieces unless they live there, and the whole parameter tensor of each of its units
   // unless homed there (an update acquires the unit's tensor) or left on the device between
   // passes (the walk takes it from there: read_ahead() does not ask for it).
-  const uint64_t state_per_element = e_.s.optimizer_home == Tier::kHost ? 0 : (e_.mixed ? 12 : 8);
+  const uint64_t state_per_element =
+      e_.s.optimizer_home == Tier::kHost
+          ? 0
+          : optimizer_state_bytes_per_element(e_.s.dtype, Accumulator::kExcluded);
   const bool params_read = e_.policy.sharded_params && e_.s.param_home != Tier::kHost &&
                            !e_.updates.params_stay_on_device;
   HostRoomInputs in{
