@@ -75,8 +75,9 @@ void BehindWalk::run(const std::vector<std::vector<size_t>>& todo,
     running_ = false;
     status_ = std::move(st);
     writeback_ = std::move(writeback);
+    // Under the lock: a waiter that sees the walk ended may destroy the engine at once.
+    cv_.notify_all();
   }
-  cv_.notify_all();
 }
 
 bool BehindWalk::unit_ready(size_t u) {

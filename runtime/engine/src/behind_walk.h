@@ -55,7 +55,6 @@ class BehindWalk {
   const WalkPlan& plan_;
   PieceUpdater& updater_;
   NormSums& sums_;
-  std::unique_ptr<OptimizerWorker> worker_;
   bool pending_ = false;
   bool failed_ = false;
   kernels::AdamStepArgs args_;
@@ -68,6 +67,8 @@ class BehindWalk {
   Status status_, writeback_;
   StoreStats end_stats_;  // the store's counters when the walk and its write-backs ended
   std::chrono::steady_clock::time_point end_at_;
+  // Last: destroyed first, so its thread has ended before the state it works on goes.
+  std::unique_ptr<OptimizerWorker> worker_;
 };
 
 }  // namespace zinf::engine_detail
