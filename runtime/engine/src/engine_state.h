@@ -3,6 +3,7 @@
 // optimizer state, the scheduler, and the per-step counters. The parts (gatherer.h,
 // grad_reducer.h, optimizer_pipeline.h, loss_scaler.h, step_agreement.h) each keep their own
 // bookkeeping and touch this state as their contracts say; docs/architecture.md names them.
+// How updates are scheduled is the UpdatePolicy (update_policy.h), decided once by build().
 #pragma once
 
 #include <cstdint>
