@@ -80,7 +80,7 @@ SAN_CMAKE := -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWIT
              -DCMAKE_C_FLAGS_RELWITHDEBINFO="-O2 -g1" -DZINF_CUDA=OFF -DZINF_BENCH=OFF
 SAN_ENV := ASAN_OPTIONS=$(ASAN_OPTS):detect_leaks=1 \
            UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-           TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1
+           TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:suppressions=$(CURDIR)/tests/tsan.supp
 
 $(ASAN_DIR)/build.ninja: | deps
 	cmake -S . -B $(ASAN_DIR) $(SAN_CMAKE) -DZINF_SANITIZE=address,undefined
